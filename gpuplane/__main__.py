@@ -1,0 +1,5 @@
+import sys
+
+from gpuplane.cli import main
+
+sys.exit(main())

@@ -1,0 +1,337 @@
+"""REST client for the GPUPlane server, shared by the CLI and the MCP server.
+
+Only `requests` and the standard library: the CLI and the MCP server reach the server
+over REST and nothing else.
+"""
+
+import json
+import os
+import random
+import time
+
+import requests
+
+DEFAULT_TIMEOUT = 30
+# The server sends a keepalive comment every 15 s; silence for this long means the
+# connection is dead even if the socket does not say so.
+STREAM_READ_TIMEOUT = 60
+
+__all__ = ["ApiError", "Client", "ServerUnreachable", "resolve", "local_server"]
+
+
+class ApiError(Exception):
+    """The server answered with an error: `status` (HTTP), `code` and `message`."""
+
+    def __init__(self, status, code, message):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+class ServerUnreachable(ConnectionError):
+    """No answer from the server at `url`."""
+
+    def __init__(self, url, reason):
+        self.url = url
+        self.reason = reason
+        super().__init__(f"cannot reach the GPUPlane server at {url} ({reason})")
+
+
+def _connect_url(host, port):
+    # A server bound to every interface is reached through loopback on its own host.
+    if host in (None, "", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def local_server(home=None):
+    """(url, admin_token, server.toml path) of the server configured in the local home.
+
+    The url comes from host/port (what this host can reach), else public_url. Either
+    part is None when there is no such configuration.
+    """
+    from gpuplane import config
+
+    home = config.home_dir(home)
+    path = home / "server.toml"
+    if not path.exists():
+        return None, None, path
+    cfg = config.load_server_config(home)
+    if cfg.get("port"):
+        url = _connect_url(cfg.get("host"), cfg["port"])
+    else:
+        url = cfg.get("public_url")
+    return url, cfg.get("admin_token"), path
+
+
+def resolve(server=None, token=None, home=None):
+    """Pick (server_url, token): explicit arguments, then $GPUCTL_SERVER / $GPUCTL_TOKEN,
+    then the local home's server.toml.
+
+    The local admin token is only used when talking to that same local server, so a
+    secret never goes to a server it does not belong to.
+    """
+    server = server or os.environ.get("GPUCTL_SERVER") or None
+    token = token or os.environ.get("GPUCTL_TOKEN") or None
+    if server and token:
+        return server.rstrip("/"), token
+    local_url, admin_token, _ = local_server(home)
+    if not server:
+        server = local_url or _connect_url("127.0.0.1", 8600)
+    server = server.rstrip("/")
+    if not token and local_url and server == local_url.rstrip("/"):
+        token = admin_token
+    return server, token
+
+
+class Client:
+    """One method per route of docs/api.md. Errors raise ApiError or ServerUnreachable."""
+
+    def __init__(self, server=None, token=None, home=None, timeout=DEFAULT_TIMEOUT):
+        self.server, self.token = resolve(server, token, home)
+        self.timeout = timeout
+        self._session = requests.Session()
+        if self.token:
+            self._session.headers["Authorization"] = f"Bearer {self.token}"
+        self._session.headers["User-Agent"] = "gpuplane-client"
+
+    def close(self):
+        self._session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing -------------------------------------------------------------
+
+    def url(self, path):
+        return f"{self.server}/api/v1/{path.lstrip('/')}"
+
+    def request(self, method, path, *, params=None, body=None, timeout=None):
+        url = self.url(path)
+        if params:
+            params = {k: v for k, v in params.items() if v is not None}
+        try:
+            resp = self._session.request(
+                method, url, params=params or None, json=body,
+                timeout=timeout or self.timeout)
+        except requests.exceptions.Timeout:
+            raise ServerUnreachable(self.server, "timed out") from None
+        except requests.exceptions.ConnectionError as e:
+            raise ServerUnreachable(self.server, _reason(e)) from None
+        return self._answer(resp)
+
+    def get(self, path, **params):
+        return self.request("GET", path, params=params)
+
+    def post(self, path, body=None):
+        return self.request("POST", path, body=body if body is not None else {})
+
+    def delete(self, path):
+        return self.request("DELETE", path)
+
+    def _answer(self, resp):
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if resp.status_code >= 400:
+            raise _error_from(resp, data)
+        if data is None:
+            raise ApiError(resp.status_code, "BadResponse",
+                           f"{resp.url} answered something that is not JSON; "
+                           "is --server pointing at a GPUPlane server?")
+        return data
+
+    # -- auth and tokens --------------------------------------------------------
+
+    def health(self):
+        return self.get("health")
+
+    def whoami(self):
+        return self.get("auth/whoami")
+
+    def tokens(self):
+        return self.get("tokens")["tokens"]
+
+    def create_token(self, name, scope):
+        return self.post("tokens", {"name": name, "scope": scope})
+
+    def revoke_token(self, token_id):
+        return self.delete(f"tokens/{token_id}")
+
+    # -- jobs -----------------------------------------------------------------
+
+    def submit_job(self, command, working_dir, **fields):
+        """Submit a job. `fields`: name, gpus, cpu_only, priority, max_attempts, env,
+        project, experiment, tb_dir, watch_dir (None values are left to the server)."""
+        body = {"command": command, "working_dir": working_dir}
+        body.update({k: v for k, v in fields.items() if v is not None})
+        return self.post("jobs", body)
+
+    def list_jobs(self, state=None, limit=None):
+        return self.get("jobs", state=state, limit=limit)["jobs"]
+
+    def get_job(self, job_id):
+        return self.get(f"jobs/{job_id}")
+
+    def cancel_job(self, job_id):
+        return self.post(f"jobs/{job_id}/cancel")
+
+    def retry_job(self, job_id):
+        return self.post(f"jobs/{job_id}/retry")
+
+    def logs(self, job_id, tail=None):
+        """{"lines": [...], "job_state"}: the lines the server keeps (the last 2000)."""
+        return self.get(f"jobs/{job_id}/logs", tail=tail)
+
+    def stream_logs(self, job_id, tail=None, last_event_id=None, reconnect_for=60.0):
+        """Yield log lines (dicts) as they arrive until the job has ended.
+
+        A dropped connection is resumed with Last-Event-ID, so no line is lost or
+        repeated; after `reconnect_for` seconds without getting back in, it raises
+        ServerUnreachable. The first connection failing raises at once.
+        """
+        connected_once = False
+        down_since = None
+        delay = 0.25
+        while True:
+            params = {}
+            headers = {"Accept": "text/event-stream"}
+            if last_event_id is not None:
+                headers["Last-Event-ID"] = str(last_event_id)
+            elif tail is not None:
+                params["tail"] = tail
+            try:
+                resp = self._session.get(
+                    self.url(f"jobs/{job_id}/logs/stream"), params=params,
+                    headers=headers, stream=True,
+                    timeout=(self.timeout, STREAM_READ_TIMEOUT))
+            except requests.exceptions.RequestException as e:
+                if not connected_once:
+                    raise ServerUnreachable(self.server, _reason(e)) from None
+                resp = None
+                reason = _reason(e)
+            if resp is not None:
+                if resp.status_code >= 400:
+                    try:
+                        data = resp.json()
+                    except ValueError:
+                        data = None
+                    resp.close()
+                    raise _error_from(resp, data)
+                connected_once = True
+                down_since = None
+                delay = 0.25
+                try:
+                    with resp:
+                        for event, event_id, data in _sse_events(resp):
+                            if event_id is not None:
+                                last_event_id = event_id
+                            if event == "end":
+                                return
+                            if event in (None, "message", "line") and data:
+                                yield json.loads(data)
+                    reason = "the stream closed before the job ended"
+                except requests.exceptions.RequestException as e:
+                    reason = _reason(e)
+            now = time.monotonic()
+            down_since = down_since or now
+            if now - down_since > reconnect_for:
+                raise ServerUnreachable(self.server, reason)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+
+    # -- nodes, queue, status ---------------------------------------------------------
+
+    def nodes(self):
+        return self.get("nodes")["nodes"]
+
+    def queue(self):
+        return self.get("queue")["jobs"]
+
+    def status(self):
+        return self.get("status")
+
+    # -- runs -------------------------------------------------------------------
+
+    def list_runs(self, project=None, experiment=None, job_id=None, limit=None):
+        return self.get("runs", project=project, experiment=experiment,
+                        job_id=job_id, limit=limit)["runs"]
+
+    def get_run(self, run_id):
+        return self.get(f"runs/{run_id}")
+
+    def create_run(self, project=None, experiment=None, name=None, config=None):
+        body = {"project": project, "experiment": experiment, "name": name,
+                "config": config, "source": "sdk"}
+        return self.post("runs", {k: v for k, v in body.items() if v is not None})
+
+    def finish_run(self, run_id, status="SUCCEEDED"):
+        return self.post(f"runs/{run_id}/finish", {"status": status})
+
+    def log_metrics(self, run_id, keys, points):
+        """points: [[key_index, step, value, ts], ...] (the compact wire format)."""
+        return self.post(f"runs/{run_id}/metrics", {"keys": keys, "points": points})
+
+    def add_checkpoint(self, run_id, path, step=None, epoch=None, size_bytes=None):
+        return self.post(f"runs/{run_id}/checkpoints", {
+            "path": path, "step": step, "epoch": epoch, "size_bytes": size_bytes})
+
+    def add_event(self, run_id, name, data=None, step=None, ts=None):
+        return self.post(f"runs/{run_id}/events", {
+            "name": name, "data": data, "step": step, "ts": ts})
+
+
+def _error_from(resp, data):
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return ApiError(resp.status_code, err.get("code") or "Error", err["message"])
+    text = (resp.text or "").strip().splitlines()
+    snippet = text[0][:200] if text else resp.reason
+    return ApiError(resp.status_code, "HTTPError",
+                    f"{resp.url} answered {resp.status_code}: {snippet}")
+
+
+def _reason(exc):
+    # requests nests urllib3's reason deep inside; the innermost line says it best.
+    text = str(exc)
+    for marker in ("Connection refused", "Name or service not known",
+                   "No route to host", "timed out", "Network is unreachable",
+                   "nodename nor servname", "Temporary failure in name resolution"):
+        if marker in text:
+            return marker.lower()
+    return type(exc).__name__
+
+
+def _sse_events(resp):
+    """Parse a text/event-stream body into (event, id, data) tuples."""
+    event, event_id, data = None, None, []
+    for raw in resp.iter_lines(chunk_size=None):
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if line == "":
+            if data or event:
+                yield event, event_id, "\n".join(data)
+            event, event_id, data = None, None, []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if field == "data":
+            data.append(value)
+        elif field == "event":
+            event = value
+        elif field == "id":
+            event_id = value
+    if data or event:
+        yield event, event_id, "\n".join(data)
