@@ -1,0 +1,47 @@
+"""whoami and token management."""
+from flask import Blueprint, current_app
+
+from ..auth import current_token, requires
+from ..db import tokens
+from ..errors import BadRequest, NotFound
+from .validate import body, field
+
+bp = Blueprint("auth", __name__, url_prefix="/api/v1")
+
+
+def _db():
+    return current_app.config["DB"]
+
+
+@bp.get("/auth/whoami")
+@requires("any")
+def whoami():
+    tok = current_token()
+    return {"name": tok["name"], "scope": tok["scope"],
+            "can_write": tok["scope"] in ("admin", "write"), "run_id": tok["run_id"]}
+
+
+@bp.get("/tokens")
+@requires("admin")
+def list_tokens():
+    return {"tokens": [dict(t, revoked=bool(t["revoked"])) for t in tokens.list_all(_db())]}
+
+
+@bp.post("/tokens")
+@requires("admin")
+def create_token():
+    data = body()
+    name = field(data, "name", str, max_len=200).strip()
+    if not name:
+        raise BadRequest("'name' must not be empty; name the token after who uses it")
+    scope = field(data, "scope", str, "read", choices=("read", "write", "admin", "agent"))
+    token_id, secret = tokens.create(_db(), name, scope)
+    return {"id": token_id, "name": name, "scope": scope, "token": secret}, 201
+
+
+@bp.delete("/tokens/<int:token_id>")
+@requires("admin")
+def revoke_token(token_id):
+    if not tokens.revoke(_db(), token_id):
+        raise NotFound(f"token {token_id} does not exist; see `gpuplane token list`")
+    return {"id": token_id, "revoked": True}

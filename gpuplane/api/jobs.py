@@ -1,0 +1,189 @@
+"""Jobs: submit, list, show, cancel, retry, logs (tail and live SSE)."""
+import json
+import os
+import posixpath
+
+from flask import Blueprint, Response, current_app, request
+
+from ..auth import requires
+from ..db import jobs, logs, runs
+from ..errors import BadRequest, Conflict, NotFound
+from .validate import body, field, query_int
+
+bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
+
+STATES = ("QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+SSE_KEEPALIVE_S = 15
+
+
+def _db():
+    return current_app.config["DB"]
+
+
+def _job_or_404(job_id):
+    job = jobs.get(_db(), job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist; list jobs with `gpuplane job list`")
+    return job
+
+
+def parse_job_spec(data):
+    """Validate a submit body into the spec jobs.submit() stores."""
+    command = data.get("command")
+    if isinstance(command, str):
+        if not command.strip():
+            raise BadRequest("'command' is empty; give the program to run, e.g. "
+                             "[\"python\", \"train.py\"]")
+        command = ["/bin/sh", "-c", command]
+    elif isinstance(command, list) and command and all(isinstance(a, str) for a in command):
+        if not command[0]:
+            raise BadRequest("'command' starts with an empty program name")
+    else:
+        raise BadRequest("'command' is required: a list of strings (argv), e.g. "
+                         "[\"python\", \"train.py\", \"--epochs\", \"3\"], or one shell string")
+    if sum(len(a) for a in command) > 100_000:
+        raise BadRequest("'command' is longer than 100 000 characters")
+    working_dir = field(data, "working_dir", str, max_len=4096)
+    if not posixpath.isabs(working_dir):
+        raise BadRequest(f"'working_dir' must be an absolute path on the agent's host, got "
+                         f"{working_dir!r}; the CLI's -d \"$PWD/...\" gives one")
+    cpu_only = field(data, "cpu_only", bool, False)
+    gpus = field(data, "gpus", int, 0 if cpu_only else 1, min=0, max=64)
+    if cpu_only and gpus:
+        raise BadRequest("a cpu_only job asks for no GPUs; drop 'gpus' or 'cpu_only'")
+    if gpus == 0:
+        cpu_only = True
+    env = field(data, "env", dict, {})
+    for k, v in env.items():
+        if not isinstance(v, str) or not k or "=" in k or "\0" in k + v:
+            raise BadRequest(f"'env' must map names to string values (no '=' in names); "
+                             f"bad entry {k!r}")
+    name = field(data, "name", str, "", max_len=200).strip() or os.path.basename(command[0])
+    return {
+        "name": name, "command": command, "working_dir": working_dir,
+        "gpus": gpus, "cpu_only": cpu_only,
+        "priority": field(data, "priority", int, 0, min=-1000, max=1000),
+        "max_attempts": field(data, "max_attempts", int, 3, min=1, max=100),
+        "env": env,
+        "project": field(data, "project", str, "default", max_len=200) or "default",
+        "experiment": field(data, "experiment", str, "", max_len=200),
+        "tb_dir": field(data, "tb_dir", str, None, max_len=4096, nullable=True),
+        "watch_dir": field(data, "watch_dir", str, None, max_len=4096, nullable=True),
+    }
+
+
+@bp.post("/jobs")
+@requires("write")
+def submit():
+    job = jobs.submit(_db(), parse_job_spec(body()))
+    current_app.config["SCHEDULER"].wake()
+    return job, 201
+
+
+@bp.get("/jobs")
+@requires("read")
+def list_jobs():
+    state = request.args.get("state")
+    if state is not None:
+        state = state.upper()
+        if state not in STATES:
+            raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
+    limit = query_int("limit", 100, min=1, max=10000)
+    return {"jobs": jobs.list_jobs(_db(), state, limit)}
+
+
+@bp.get("/jobs/<int:job_id>")
+@requires("read")
+def show(job_id):
+    job = _job_or_404(job_id)
+    job["attempts"] = [
+        {"attempt": r["attempt"], "run_id": r["id"], "state": r["state"], "node": r["node"],
+         "gpu_indices": r["gpu_indices"], "exit_code": r["exit_code"],
+         "failure_kind": r["failure_kind"], "started_at": r["started_at"],
+         "ended_at": r["ended_at"]}
+        for r in runs.for_job(_db(), job_id)]
+    return job
+
+
+@bp.post("/jobs/<int:job_id>/cancel")
+@requires("write")
+def cancel(job_id):
+    _job_or_404(job_id)
+    job, target = jobs.request_cancel(_db(), job_id)
+    if target is None and job["state"] != "CANCELLED":
+        raise Conflict(f"job {job_id} already ended ({job['state']}); nothing to cancel")
+    if target is not None:
+        node, attempt = target
+        current_app.config["GATEWAY"].send(node, {"type": "cancel", "job_id": job_id,
+                                                  "attempt": attempt})
+    current_app.config["HUB"].publish()
+    return job
+
+
+@bp.post("/jobs/<int:job_id>/retry")
+@requires("write")
+def retry(job_id):
+    _job_or_404(job_id)
+    job, ok = jobs.retry(_db(), job_id)
+    if not ok:
+        raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
+                       "be retried (cancel it first)")
+    current_app.config["SCHEDULER"].wake()
+    return job
+
+
+@bp.get("/jobs/<int:job_id>/logs")
+@requires("read")
+def get_logs(job_id):
+    job = _job_or_404(job_id)
+    n = query_int("tail", 100, min=0, max=100_000)
+    return {"job_id": job_id, "job_state": job["state"], "lines": logs.tail(_db(), job_id, n)}
+
+
+@bp.get("/jobs/<int:job_id>/logs/stream")
+@requires("read")
+def stream_logs(job_id):
+    _job_or_404(job_id)
+    last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
+    if last is not None:
+        try:
+            last_id = int(last)
+        except ValueError:
+            raise BadRequest("Last-Event-ID must be the id of a line this stream sent") from None
+        backlog = None
+    else:
+        last_id = 0
+        backlog = query_int("tail", 100, min=0, max=2000)
+    db, hub = _db(), current_app.config["HUB"]
+    return Response(_sse(db, hub, job_id, last_id, backlog), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(db, hub, job_id, last_id, backlog):
+    if backlog is not None:
+        lines = logs.tail(db, job_id, backlog) if backlog else []
+        if lines:
+            last_id = lines[-1]["id"]
+        elif not backlog:
+            last_id = (logs.tail(db, job_id, 1) or [{"id": 0}])[0]["id"]
+        yield from _events(lines)
+    while True:
+        version = hub.version
+        lines = logs.after(db, job_id, last_id)
+        if lines:
+            last_id = lines[-1]["id"]
+            yield from _events(lines)
+            continue
+        job = jobs.get(db, job_id)
+        if job is None or job["state"] in jobs.FINAL:
+            yield from _events(logs.after(db, job_id, last_id, limit=100_000))
+            yield f"event: end\ndata: {json.dumps({'state': job and job['state']})}\n\n"
+            return
+        if hub.wait(version, SSE_KEEPALIVE_S) == version:
+            # Nothing new: a comment line, so a vanished client frees this thread.
+            yield ": keepalive\n\n"
+
+
+def _events(lines):
+    for line in lines:
+        yield f"id: {line['id']}\ndata: {json.dumps(line)}\n\n"

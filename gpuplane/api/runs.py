@@ -1,0 +1,132 @@
+"""Runs: list and show; SDK registration, finish, checkpoints and events."""
+import math
+import os
+
+from flask import Blueprint, current_app, request
+
+from ..auth import requires
+from ..db import dumps, events, jobs, now_ms, runs
+from ..errors import BadRequest, NotFound
+from .validate import body, field, query_int
+
+bp = Blueprint("runs", __name__, url_prefix="/api/v1")
+
+
+def _db():
+    return current_app.config["DB"]
+
+
+def run_or_404(run_id):
+    run = runs.get(_db(), run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
+    return run
+
+
+@bp.post("/runs")
+@requires("write")
+def register():
+    data = body()
+    config = field(data, "config", dict, {})
+    if len(dumps(config)) > 1_000_000:
+        raise BadRequest("'config' is larger than 1 MB; log big things as files")
+    source = field(data, "source", str, "sdk", choices=("sdk", "import"))
+    with _db().tx() as c:
+        run_id = runs.create(
+            c, source=source, state="RUNNING",
+            project=field(data, "project", str, "default", max_len=200) or "default",
+            experiment=field(data, "experiment", str, "", max_len=200),
+            name=field(data, "name", str, "", max_len=200), config=config)
+    return runs.get(_db(), run_id), 201
+
+
+@bp.get("/runs")
+@requires("read")
+def list_runs():
+    job_id = request.args.get("job_id")
+    if job_id is not None:
+        try:
+            job_id = int(job_id)
+        except ValueError:
+            raise BadRequest("'job_id' must be a job's number") from None
+    return {"runs": runs.list_runs(
+        _db(), project=request.args.get("project"), experiment=request.args.get("experiment"),
+        job_id=job_id, state=request.args.get("state"),
+        limit=query_int("limit", 100, min=1, max=10000))}
+
+
+@bp.get("/runs/<int:run_id>")
+@requires("read")
+def show(run_id):
+    return run_or_404(run_id)
+
+
+@bp.post("/runs/<int:run_id>/finish")
+@requires("run")
+def finish(run_id):
+    run = run_or_404(run_id)
+    status = field(body(), "status", str, "SUCCEEDED",
+                   choices=("SUCCEEDED", "FAILED", "CANCELLED"))
+    if run["source"] != "job":      # a job's outcome is what its agent reports
+        with _db().tx() as c:
+            runs.finish(c, run_id, status)
+    return runs.get(_db(), run_id)
+
+
+def _opt_number(data, name, kind):
+    v = data.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            isinstance(v, float) and not math.isfinite(v)):
+        raise BadRequest(f"'{name}' must be a number or null")
+    return kind(v)
+
+
+@bp.post("/runs/<int:run_id>/checkpoints")
+@requires("run")
+def add_checkpoint(run_id):
+    run = run_or_404(run_id)
+    data = body()
+    path = field(data, "path", str, max_len=4096)
+    if not path:
+        raise BadRequest("'path' must not be empty")
+    if not os.path.isabs(path) and run["job_id"]:
+        # Relative paths are relative to the job's working dir on its host.
+        job = jobs.get(_db(), run["job_id"])
+        path = os.path.normpath(os.path.join(job["working_dir"], path))
+    step = _opt_number(data, "step", int)
+    epoch = _opt_number(data, "epoch", float)
+    size = _opt_number(data, "size_bytes", int)
+    with _db().tx() as c:
+        cur = c.execute(
+            "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
+            " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+            (run_id, path, step, epoch, size, f"sdk:{step}:{size}", now_ms()))
+        checkpoint_id = cur.lastrowid
+    return {"id": checkpoint_id, "run_id": run_id, "path": path, "step": step,
+            "epoch": epoch, "size_bytes": size}, 201
+
+
+@bp.post("/runs/<int:run_id>/events")
+@requires("run")
+def add_event(run_id):
+    run = run_or_404(run_id)
+    data = body()
+    name = field(data, "name", str, max_len=200)
+    payload = field(data, "data", dict, {})
+    step = _opt_number(data, "step", int)
+    ts = _opt_number(data, "ts", int) or now_ms()
+    with _db().tx() as c:
+        events.add(c, "USER", name, run_id=run_id, job_id=run["job_id"], node=run["node"],
+                   data={"name": name, **payload}, step=step, ts=ts)
+    return {"run_id": run_id, "name": name}, 201
+
+
+@bp.get("/runs/<int:run_id>/events")
+@requires("read")
+def list_events(run_id):
+    run_or_404(run_id)
+    return {"events": events.list_events(_db(), run_id=run_id,
+                                         after_id=query_int("after", 0, min=0),
+                                         limit=query_int("limit", 200, min=1, max=10000))}

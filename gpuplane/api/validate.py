@@ -1,0 +1,71 @@
+"""Request parsing: every route turns bad input into a 400 with a sentence naming the fix."""
+import json
+import math
+
+from flask import request
+
+from ..errors import BadRequest
+
+_MISSING = object()
+
+
+def body():
+    """The JSON object sent, or a 400."""
+    raw = request.get_data(cache=True)
+    if not raw:
+        raise BadRequest("the body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the JSON is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def field(data, name, kind, default=_MISSING, *, min=None, max=None, choices=None,
+          max_len=None, nullable=False):
+    """Pick one field of a parsed body and check its type and range."""
+    if name not in data or (data[name] is None and default is not _MISSING):
+        if default is _MISSING:
+            raise BadRequest(f"'{name}' is required")
+        return default
+    v = data[name]
+    if v is None and nullable:
+        return None
+    label = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+             dict: "an object", list: "a list"}[kind]
+    ok = isinstance(v, kind) and not (kind in (int, float) and isinstance(v, bool))
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok:
+        raise BadRequest(f"'{name}' must be {label}, got {json.dumps(v)[:60]}")
+    if kind in (int, float):
+        if kind is float and not math.isfinite(v):
+            raise BadRequest(f"'{name}' must be a finite number")
+        if min is not None and v < min:
+            raise BadRequest(f"'{name}' must be at least {min}, got {v}")
+        if max is not None and v > max:
+            raise BadRequest(f"'{name}' must be at most {max}, got {v}")
+    if choices is not None and v not in choices:
+        raise BadRequest(f"'{name}' must be one of {', '.join(map(str, choices))}; got {v!r}")
+    if max_len is not None and len(v) > max_len:
+        raise BadRequest(f"'{name}' is too long ({len(v)}; at most {max_len})")
+    return v
+
+
+def query_int(name, default, *, min=None, max=None):
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter '{name}' must be an integer, got {raw[:40]!r}") from None
+    if min is not None and v < min:
+        raise BadRequest(f"query parameter '{name}' must be at least {min}")
+    if max is not None and v > max:
+        raise BadRequest(f"query parameter '{name}' must be at most {max}")
+    return v

@@ -1,0 +1,66 @@
+"""The Flask app factory: config, database, background threads, routes, errors."""
+import logging
+import os
+import pathlib
+
+from flask import Flask, send_from_directory
+
+from . import __version__, config as config_mod, errors
+from .api import blueprints
+from .db import Database, tokens
+
+log = logging.getLogger(__name__)
+STATIC = pathlib.Path(__file__).resolve().parent.parent / "static"
+
+
+def create_app(home=None, start_threads=True, **overrides):
+    home = config_mod.home_dir(home)
+    cfg, created = config_mod.ensure_server_config(home)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    db = Database(home / "server" / "gpuctl.db")
+    tokens.create(db, "admin (server.toml)", "admin", secret=cfg["admin_token"])
+
+    app = Flask(__name__, static_folder=None)
+    app.config.update(
+        DB=db, GPUPLANE=cfg, HOME=home,
+        MAX_CONTENT_LENGTH=int(cfg["max_body_mb"]) * 1024 * 1024,
+        SOCK_SERVER_OPTIONS={"ping_interval": 25, "max_message_size": 8 * 1024 * 1024},
+        JSON_SORT_KEYS=False,
+    )
+    app.json.sort_keys = False
+    errors.register(app)
+
+    # The pieces that live as long as the process: pub/sub for logs, the agent gateway,
+    # the scheduler. Imported here so the CLI's import of this module stays light.
+    from .gateway import Gateway
+    from .hub import Hub
+    from .scheduler import Scheduler
+    hub = Hub()
+    gateway = Gateway(db, hub, cfg)
+    scheduler = Scheduler(db, gateway, cfg)
+    gateway.scheduler = scheduler
+    app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler)
+
+    for bp in blueprints():
+        app.register_blueprint(bp)
+    gateway.register(app)
+
+    @app.get("/")
+    def index():
+        if (STATIC / "index.html").exists():
+            return send_from_directory(STATIC, "index.html")
+        return {"name": "gpuplane", "version": __version__, "api": "/api/v1/"}
+    index.required_scope = "public"
+
+    if start_threads:
+        scheduler.start()
+    app.config["THREADS"] = [scheduler]
+    if created:
+        log.warning("wrote a new admin token to %s", home / "server.toml")
+    return app
+
+
+def stop_app(app):
+    for t in app.config.get("THREADS", []):
+        t.stop()
+    app.config["GATEWAY"].close_all()

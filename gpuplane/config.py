@@ -1,0 +1,112 @@
+"""Where GPUPlane keeps its files and how it reads `server.toml`.
+
+The home is `$GPUCTL_HOME` (default `~/.gpuctl/`). `server.toml` is TOML read with
+tomllib; the first server start writes it with a fresh admin token.
+"""
+import os
+import pathlib
+import secrets
+import tomllib
+
+DEFAULT_PORT = 8600
+
+SERVER_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": DEFAULT_PORT,
+    "admin_token": None,
+    "public_url": None,        # what jobs and agents use to reach the server
+    "threads": 64,             # gunicorn gthread pool: agents + SSE followers + REST
+    "node_grace_s": 60,        # a disconnected node's jobs become NODE_LOST after this
+    "heartbeat_s": 5,
+    "cpu_slots_default": 4,
+    "log_keep_lines": 2000,
+    "max_body_mb": 16,
+}
+
+
+def home_dir(arg=None):
+    if arg:
+        return pathlib.Path(arg).expanduser().absolute()
+    env = os.environ.get("GPUCTL_HOME")
+    if env:
+        return pathlib.Path(env).expanduser().absolute()
+    return pathlib.Path.home() / ".gpuctl"
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _read_toml(path):
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML ({e}); fix or remove it") from None
+
+
+def load_server_config(home):
+    home = pathlib.Path(home)
+    raw = _read_toml(home / "server.toml")
+    config = dict(SERVER_DEFAULTS)
+    # Settings may stand at the top of the file or under [server].
+    for section in (raw, raw.get("server", {})):
+        config.update({k: v for k, v in section.items() if not isinstance(v, (dict, list))})
+    config["webhooks"] = raw.get("webhooks", [])
+    config["home"] = str(home)
+    return config
+
+
+def server_url(config):
+    if config.get("public_url"):
+        return config["public_url"].rstrip("/")
+    host = config["host"]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{config['port']}"
+
+
+def _toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def ensure_server_config(home, **overrides):
+    """Create `server.toml` with an admin token if it has none. Returns (config, created)."""
+    home = pathlib.Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "server.toml"
+    config = load_server_config(home)
+    created = False
+    if not config.get("admin_token"):
+        token = "gpa_" + secrets.token_urlsafe(24)
+        lines = [
+            "# GPUPlane server settings. The admin token can do everything:",
+            "# keep this file private (it is created with mode 0600).",
+            f"admin_token = {_toml_value(token)}",
+        ]
+        old = path.read_text() if path.exists() else ""
+        if not old:
+            for key in ("host", "port"):
+                value = overrides.get(key) or config[key]
+                lines.append(f"{key} = {_toml_value(value)}")
+        # Top-level keys must come before any [table], so the token goes first.
+        atomic_write(path, "\n".join(lines) + "\n" + old, mode=0o600)
+        config = load_server_config(home)
+        created = True
+    return config, created
+
+
+def atomic_write(path, text, mode=0o644):
+    tmp = pathlib.Path(str(path) + ".partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

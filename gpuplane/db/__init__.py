@@ -1,0 +1,240 @@
+"""The only place that speaks SQL.
+
+`Database` owns the file: schema and forward migrations (PRAGMA user_version), one
+connection per thread for reads, and `tx()` for writes — an IMMEDIATE transaction under a
+process-wide lock, so there is one writer at a time and readers never block (WAL).
+The query functions live beside this module, one per noun (jobs, nodes, logs, metrics,
+tokens); each takes the `Database` as its first argument.
+"""
+import contextlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+SCHEMA_V1 = """
+CREATE TABLE tokens (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL,
+    scope       TEXT NOT NULL,             -- admin | write | read | agent | ingest
+    secret_hash TEXT NOT NULL UNIQUE,
+    run_id      INTEGER,                   -- ingest tokens: the one run they may write
+    created_at  INTEGER NOT NULL,
+    revoked     INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE nodes (
+    name          TEXT PRIMARY KEY,
+    hostname      TEXT,
+    version       TEXT,
+    fake          INTEGER NOT NULL DEFAULT 0,
+    cpu_slots     INTEGER NOT NULL DEFAULT 4,
+    gpus          TEXT NOT NULL DEFAULT '[]',   -- json: static GPU facts from hello
+    stats         TEXT,                         -- json: last node_stats record
+    state         TEXT NOT NULL DEFAULT 'disconnected',
+    synced        INTEGER NOT NULL DEFAULT 0,   -- reconciled since the last connect
+    epoch         TEXT,
+    cursor        INTEGER NOT NULL DEFAULT 0,   -- highest outbox seq applied in epoch
+    connected_at  INTEGER,
+    disconnected_at INTEGER,
+    last_seen     INTEGER
+);
+
+CREATE TABLE jobs (
+    id               INTEGER PRIMARY KEY,
+    name             TEXT NOT NULL,
+    kind             TEXT NOT NULL DEFAULT 'TRAIN',
+    command          TEXT NOT NULL,             -- json argv list
+    working_dir      TEXT NOT NULL,
+    gpus             INTEGER NOT NULL DEFAULT 0,
+    cpu_only         INTEGER NOT NULL DEFAULT 0,
+    priority         INTEGER NOT NULL DEFAULT 0,
+    max_attempts     INTEGER NOT NULL DEFAULT 3,
+    attempt          INTEGER NOT NULL DEFAULT 0,
+    env              TEXT NOT NULL DEFAULT '{}',
+    project          TEXT NOT NULL DEFAULT 'default',
+    experiment       TEXT NOT NULL DEFAULT '',
+    tb_dir           TEXT,
+    watch_dir        TEXT,
+    state            TEXT NOT NULL DEFAULT 'QUEUED',
+    node             TEXT,
+    gpu_indices      TEXT,                      -- json list
+    run_id           INTEGER,
+    pending_reason   TEXT,
+    failure_kind     TEXT,
+    exit_code        INTEGER,
+    message          TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    parent_checkpoint_id INTEGER,
+    created_at       INTEGER NOT NULL,
+    queued_at        INTEGER NOT NULL,
+    started_at       INTEGER,
+    ended_at         INTEGER
+);
+CREATE INDEX jobs_state ON jobs(state, priority, queued_at);
+
+CREATE TABLE runs (
+    id           INTEGER PRIMARY KEY,
+    job_id       INTEGER,
+    attempt      INTEGER,
+    source       TEXT NOT NULL DEFAULT 'job',   -- job | sdk | import
+    state        TEXT NOT NULL,
+    project      TEXT NOT NULL DEFAULT 'default',
+    experiment   TEXT NOT NULL DEFAULT '',
+    name         TEXT NOT NULL DEFAULT '',
+    config       TEXT NOT NULL DEFAULT '{}',
+    node         TEXT,
+    gpu_indices  TEXT,
+    exit_code    INTEGER,
+    failure_kind TEXT,
+    created_at   INTEGER NOT NULL,
+    started_at   INTEGER,
+    ended_at     INTEGER
+);
+CREATE INDEX runs_job ON runs(job_id, attempt);
+
+CREATE TABLE logs (
+    id       INTEGER PRIMARY KEY,
+    job_id   INTEGER NOT NULL,
+    attempt  INTEGER NOT NULL,
+    line_no  INTEGER NOT NULL,
+    ts       INTEGER NOT NULL,
+    text     TEXT NOT NULL,
+    UNIQUE (job_id, attempt, line_no)
+);
+CREATE INDEX logs_job ON logs(job_id, id);
+
+CREATE TABLE metric_keys (
+    id      INTEGER PRIMARY KEY,
+    run_id  INTEGER NOT NULL,
+    key     TEXT NOT NULL,
+    UNIQUE (run_id, key)
+);
+
+CREATE TABLE points (
+    key_id  INTEGER NOT NULL,
+    step    INTEGER NOT NULL,
+    value   REAL,
+    ts      INTEGER NOT NULL,
+    PRIMARY KEY (key_id, step)
+) WITHOUT ROWID;
+
+CREATE TABLE checkpoints (
+    id          INTEGER PRIMARY KEY,
+    run_id      INTEGER NOT NULL,
+    path        TEXT NOT NULL,
+    step        INTEGER,
+    epoch       REAL,
+    size_bytes  INTEGER,
+    fingerprint TEXT,
+    created_at  INTEGER NOT NULL,
+    UNIQUE (run_id, path, fingerprint)
+);
+
+CREATE TABLE events (
+    id        INTEGER PRIMARY KEY,
+    run_id    INTEGER,
+    job_id    INTEGER,
+    node      TEXT,
+    type      TEXT NOT NULL,
+    severity  TEXT NOT NULL DEFAULT 'info',
+    message   TEXT NOT NULL DEFAULT '',
+    data      TEXT NOT NULL DEFAULT '{}',
+    step      INTEGER,
+    ts        INTEGER NOT NULL
+);
+CREATE INDEX events_run ON events(run_id, id);
+"""
+
+# Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
+MIGRATIONS = [SCHEMA_V1]
+
+
+class Database:
+    def __init__(self, path):
+        self.path = str(path)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._local = threading.local()
+        self._write_lock = threading.RLock()
+        self.migrate()
+
+    def _connect(self):
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                               check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=30000")
+        conn.execute("PRAGMA foreign_keys=OFF")
+        return conn
+
+    @property
+    def conn(self):
+        """This thread's connection (created on first use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+        return conn
+
+    def migrate(self):
+        conn = self._connect()
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise RuntimeError(
+                    f"{self.path} has schema version {version}, newer than this GPUPlane "
+                    f"knows ({len(MIGRATIONS)}); upgrade GPUPlane")
+            for i in range(version, len(MIGRATIONS)):
+                log.info("migrating %s to schema version %d", self.path, i + 1)
+                conn.executescript("BEGIN IMMEDIATE;\n" + MIGRATIONS[i]
+                                   + f"\nPRAGMA user_version={i + 1};\nCOMMIT;")
+        finally:
+            conn.close()
+
+    @contextlib.contextmanager
+    def tx(self):
+        """One write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error."""
+        with self._write_lock:
+            conn = self.conn
+            if conn.in_transaction:      # nested: join the outer transaction
+                yield conn
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            else:
+                conn.execute("COMMIT")
+
+    def query(self, sql, params=()):
+        return self.conn.execute(sql, params).fetchall()
+
+    def query_one(self, sql, params=()):
+        return self.conn.execute(sql, params).fetchone()
+
+    def close(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+
+def loads(text, default=None):
+    if text is None:
+        return default
+    return json.loads(text)
+
+
+def dumps(obj):
+    return json.dumps(obj, separators=(",", ":"))

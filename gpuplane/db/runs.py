@@ -1,0 +1,59 @@
+"""Runs: one per job attempt, or registered by the SDK, or imported."""
+from . import dumps, loads, now_ms
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def to_dict(row):
+    if row is None:
+        return None
+    d = dict(row)
+    d["config"] = loads(d["config"], {})
+    d["gpu_indices"] = loads(d["gpu_indices"])
+    return d
+
+
+def create(conn, *, source, state, project="default", experiment="", name="", config=None,
+           job_id=None, attempt=None, node=None, gpu_indices=None):
+    cur = conn.execute(
+        "INSERT INTO runs (job_id, attempt, source, state, project, experiment, name, config,"
+        " node, gpu_indices, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        (job_id, attempt, source, state, project, experiment, name, dumps(config or {}),
+         node, dumps(gpu_indices) if gpu_indices is not None else None, now_ms(),
+         now_ms() if state == "RUNNING" else None))
+    return cur.lastrowid
+
+
+def get(db, run_id):
+    return to_dict(db.query_one("SELECT * FROM runs WHERE id = ?", (run_id,)))
+
+
+def list_runs(db, project=None, experiment=None, job_id=None, state=None, limit=100):
+    where, params = [], []
+    for col, val in (("project", project), ("experiment", experiment),
+                     ("job_id", job_id), ("state", state)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    sql = "SELECT * FROM runs"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY id DESC LIMIT ?"
+    return [to_dict(r) for r in db.query(sql, (*params, limit))]
+
+
+def for_job(db, job_id):
+    return [to_dict(r) for r in db.query(
+        "SELECT * FROM runs WHERE job_id = ? ORDER BY attempt", (job_id,))]
+
+
+def finish(conn, run_id, state, exit_code=None, failure_kind=None, ts=None):
+    conn.execute(
+        "UPDATE runs SET state = ?, exit_code = ?, failure_kind = ?, ended_at = ?"
+        " WHERE id = ? AND state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')",
+        (state, exit_code, failure_kind, ts or now_ms(), run_id))
+
+
+def mark_running(conn, run_id, ts=None):
+    conn.execute("UPDATE runs SET state = 'RUNNING', started_at = COALESCE(started_at, ?)"
+                 " WHERE id = ? AND state = 'STARTING'", (ts or now_ms(), run_id))

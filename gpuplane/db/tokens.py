@@ -1,0 +1,46 @@
+"""API tokens. Only a SHA-256 of each secret is stored."""
+import hashlib
+import secrets
+
+from . import now_ms
+
+SCOPES = ("admin", "write", "read", "agent", "ingest")
+PREFIX = {"admin": "gpa_", "write": "gpw_", "read": "gpr_", "agent": "gpg_", "ingest": "gpi_"}
+
+
+def hash_secret(secret):
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create(db, name, scope, run_id=None, secret=None):
+    """Store a token; returns (row id, secret). `secret` is given for the admin token."""
+    secret = secret or PREFIX[scope] + secrets.token_urlsafe(24)
+    with db.tx() as c:
+        cur = c.execute(
+            "INSERT INTO tokens (name, scope, secret_hash, run_id, created_at)"
+            " VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (secret_hash) DO UPDATE SET revoked = 0, scope = excluded.scope",
+            (name, scope, hash_secret(secret), run_id, now_ms()))
+        token_id = cur.lastrowid or c.execute(
+            "SELECT id FROM tokens WHERE secret_hash = ?", (hash_secret(secret),)).fetchone()[0]
+    return token_id, secret
+
+
+def lookup(db, secret):
+    return db.query_one(
+        "SELECT id, name, scope, run_id FROM tokens WHERE secret_hash = ? AND revoked = 0",
+        (hash_secret(secret),))
+
+
+def list_all(db, include_ingest=False):
+    sql = "SELECT id, name, scope, run_id, created_at, revoked FROM tokens"
+    if not include_ingest:
+        sql += " WHERE scope != 'ingest'"
+    return [dict(r) for r in db.query(sql + " ORDER BY id")]
+
+
+def revoke(db, token_id):
+    with db.tx() as c:
+        return c.execute("UPDATE tokens SET revoked = 1 WHERE id = ?", (token_id,)).rowcount
+
+

@@ -1,0 +1,78 @@
+"""One JSON error shape everywhere: {"error": {"code": ..., "message": ...}}."""
+import logging
+
+from flask import jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status = 400
+    code = "BadRequest"
+
+    def __init__(self, message, status=None, code=None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(ApiError):
+    status, code = 400, "BadRequest"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "Unauthorized"
+
+
+class WriteScopeError(ApiError):
+    status, code = 403, "WriteScopeError"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "Forbidden"
+
+
+class NotFound(ApiError):
+    status, code = 404, "NotFound"
+
+
+class Conflict(ApiError):
+    status, code = 409, "Conflict"
+
+
+_HTTP_CODES = {
+    400: ("BadRequest", "the request could not be read; send JSON with Content-Type: application/json"),
+    404: ("NotFound", "no such route; the API lives under /api/v1/ (see docs/api.md)"),
+    405: ("MethodNotAllowed", "this route does not take that method (see docs/api.md)"),
+    413: ("PayloadTooLarge", "the body is too large; send smaller batches"),
+}
+
+
+def error_response(status, code, message):
+    resp = jsonify({"error": {"code": code, "message": message}})
+    resp.status_code = status
+    return resp
+
+
+def register(app):
+    @app.errorhandler(ApiError)
+    def _api_error(e):
+        return error_response(e.status, e.code, e.message)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(e):
+        code, message = _HTTP_CODES.get(e.code, (type(e).__name__, e.description))
+        resp = error_response(e.code or 500, code, message)
+        if e.code == 405 and getattr(e, "valid_methods", None):
+            resp.headers["Allow"] = ", ".join(e.valid_methods)
+        return resp
+
+    @app.errorhandler(Exception)
+    def _unexpected(e):
+        log.exception("unhandled error")
+        return error_response(500, "InternalError",
+                              "the server failed on this request; see the server log")

@@ -1,0 +1,341 @@
+"""The agent WebSocket endpoint and the command channel to agents.
+
+The wire is written down in docs/protocol.md; this module is the server's one place
+that speaks it. Each connected agent holds one gunicorn thread (this handler) for as long
+as it is connected; the scheduler and the REST routes send commands through `send()`.
+"""
+import json
+import logging
+import threading
+import time
+
+from flask import request
+from flask_sock import Sock
+from simple_websocket import ConnectionClosed
+
+from .auth import requires
+from .db import events, jobs, logs, metrics, nodes, now_ms
+
+log = logging.getLogger(__name__)
+
+WS_PATH = "/api/v1/agent/ws"
+MAX_FRAME = 8 * 1024 * 1024
+CLOSE_UNSUPPORTED, CLOSE_TOO_BIG, CLOSE_PROTOCOL = 1003, 1009, 4400
+RECORD_KINDS = ("job", "log", "metrics", "node_stats", "checkpoint", "event")
+
+
+class ProtocolError(Exception):
+    pass
+
+
+class AgentConnection:
+    def __init__(self, ws, node):
+        self.ws = ws
+        self.node = node
+        self.lock = threading.Lock()     # simple_websocket's send is not thread-safe
+        self.last_message = time.monotonic()
+
+    def send(self, msg):
+        with self.lock:
+            self.ws.send(json.dumps(msg))
+
+    def close(self, code=1000, reason=""):
+        with self.lock:
+            try:
+                self.ws.close(code, reason[:120])
+            except Exception:   # already closed
+                pass
+
+
+class Gateway:
+    def __init__(self, db, hub, cfg):
+        self.db = db
+        self.hub = hub
+        self.cfg = cfg
+        self.scheduler = None
+        self._conns = {}
+        self._lock = threading.Lock()
+
+    # -- commands to agents -------------------------------------------------------------
+
+    def connected(self, node):
+        with self._lock:
+            return node in self._conns
+
+    def send(self, node, msg):
+        """Send a command; False when the node is not connected (it is re-sent on sync)."""
+        with self._lock:
+            conn = self._conns.get(node)
+        if conn is None:
+            return False
+        try:
+            conn.send(msg)
+            return True
+        except Exception as e:
+            log.info("send to %s failed (%s); it will be reconciled on reconnect", node, e)
+            return False
+
+    def close_all(self):
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            c.close(1001, "server shutting down")
+
+    def server_url(self):
+        from .config import server_url
+        return server_url(self.cfg)
+
+    # -- the endpoint -------------------------------------------------------------------
+
+    def register(self, app):
+        sock = Sock(app)
+
+        @app.before_request
+        def _agent_auth():
+            if request.path == WS_PATH:
+                requires("agent")(lambda: None)()
+
+        @sock.route(WS_PATH)
+        def agent_ws(ws):
+            self.handle(ws)
+        app.view_functions["agent_ws"].required_scope = "agent"
+
+    def handle(self, ws):
+        conn = None
+        try:
+            hello = self._receive(ws, timeout=15)
+            if hello is None or hello.get("type") != "hello":
+                raise ProtocolError("the first message must be hello")
+            conn = self._on_hello(ws, hello)
+            hb = float(self.cfg["heartbeat_s"])
+            while True:
+                msg = self._receive(ws, timeout=1.0)
+                if msg is None:
+                    if not ws.connected:
+                        break
+                    if time.monotonic() - conn.last_message > 3 * hb:
+                        log.warning("node %s: no heartbeat for %.0f s; closing", conn.node, 3 * hb)
+                        conn.close(1001, "heartbeat timeout")
+                        break
+                    continue
+                conn.last_message = time.monotonic()
+                self._dispatch(conn, msg)
+        except ProtocolError as e:
+            log.warning("agent protocol error from %s: %s", conn.node if conn else "?", e)
+            _close(ws, getattr(e, "code", CLOSE_PROTOCOL), str(e))
+        except ConnectionClosed:
+            pass
+        except Exception:
+            log.exception("agent connection failed")
+            _close(ws, 1011, "server error")
+        finally:
+            if conn is not None:
+                self._on_disconnect(conn)
+
+    def _receive(self, ws, timeout):
+        data = ws.receive(timeout=timeout)
+        if data is None:
+            return None
+        if isinstance(data, bytes):
+            raise _protocol("binary frames are not part of the protocol", CLOSE_UNSUPPORTED)
+        if len(data) > MAX_FRAME:
+            raise _protocol("frame larger than 8 MiB", CLOSE_TOO_BIG)
+        try:
+            msg = json.loads(data)
+        except (ValueError, RecursionError):
+            raise _protocol("a frame that is not JSON") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise _protocol("a message must be a JSON object with a 'type'")
+        return msg
+
+    def _on_hello(self, ws, msg):
+        node, epoch = msg.get("node"), msg.get("epoch")
+        if not isinstance(node, str) or not node or len(node) > 200:
+            raise _protocol("hello needs a 'node' name")
+        if not isinstance(epoch, str) or not epoch or len(epoch) > 200:
+            raise _protocol("hello needs an 'epoch'")
+        gpus = msg.get("gpus") or []
+        if not isinstance(gpus, list) or not all(isinstance(x, dict) for x in gpus):
+            raise _protocol("'gpus' must be a list of objects")
+        cursor = nodes.hello(self.db, msg)
+        conn = AgentConnection(ws, node)
+        with self._lock:
+            old = self._conns.get(node)
+            self._conns[node] = conn
+        if old is not None:
+            old.close(4409, "replaced by a newer connection of the same node")
+        conn.send({"type": "welcome", "node": node, "epoch": epoch, "cursor": cursor,
+                   "heartbeat_s": self.cfg["heartbeat_s"]})
+        log.info("node %s connected (epoch %s, cursor %d, %d GPUs)", node, epoch[:8], cursor,
+                 len(gpus))
+        with self.db.tx() as c:
+            events.add(c, "NODE_UP", f"node {node} connected", node=node)
+        return conn
+
+    def _on_disconnect(self, conn):
+        with self._lock:
+            if self._conns.get(conn.node) is conn:
+                del self._conns[conn.node]
+                still_ours = True
+            else:
+                still_ours = False
+        if still_ours:
+            nodes.disconnected(self.db, conn.node)
+            with self.db.tx() as c:
+                events.add(c, "NODE_DOWN", f"node {conn.node} disconnected",
+                           severity="warning", node=conn.node)
+            log.info("node %s disconnected", conn.node)
+        if self.scheduler:
+            self.scheduler.wake()
+
+    def _dispatch(self, conn, msg):
+        kind = msg["type"]
+        if kind == "heartbeat":
+            nodes.seen(self.db, conn.node)
+        elif kind == "batch":
+            reply = self.apply_batch(conn.node, msg)
+            conn.send(reply)
+        elif kind == "sync":
+            for cmd in self.reconcile(conn.node, msg):
+                conn.send(cmd)
+            if self.scheduler:
+                self.scheduler.wake()
+        else:
+            raise _protocol(f"unknown message type {kind[:40]!r}")
+
+    # -- applying the outbox ------------------------------------------------------------
+
+    def apply_batch(self, node, msg):
+        records = msg.get("records")
+        if not isinstance(records, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("seq"), int) for r in records):
+            raise _protocol("a batch needs 'records': objects each with an integer 'seq'")
+        wake = published = False
+        with self.db.tx() as c:
+            epoch, cursor = nodes.cursor(c, node)
+            if msg.get("epoch") != epoch:
+                raise _protocol("batch for another epoch; send hello again")
+            new = sorted((r for r in records if r["seq"] > cursor), key=lambda r: r["seq"])
+            if new and new[0]["seq"] != cursor + 1:
+                return {"type": "resend", "from": cursor + 1}
+            last = cursor
+            for rec in new:
+                if rec["seq"] != last + 1:
+                    break           # a gap inside the batch: apply the prefix only
+                c.execute("SAVEPOINT rec")
+                try:
+                    w, p = self._apply_record(c, node, rec)
+                    wake, published = wake or w, published or p
+                    c.execute("RELEASE rec")
+                except (KeyError, TypeError, ValueError) as e:
+                    # A malformed record must not wedge the node's outbox forever.
+                    c.execute("ROLLBACK TO rec")
+                    c.execute("RELEASE rec")
+                    log.warning("node %s: skipped malformed %s record seq %d (%s)", node,
+                                rec.get("kind"), rec["seq"], e)
+                last = rec["seq"]
+            nodes.set_cursor(c, node, last)
+        if published:
+            self.hub.publish()
+        if wake and self.scheduler:
+            self.scheduler.wake()
+        return {"type": "ack", "seq": last}
+
+    def _apply_record(self, c, node, rec):
+        """Apply one outbox record inside the batch transaction. Returns (wake, publish)."""
+        kind = rec.get("kind")
+        ts = int(rec.get("ts") or now_ms())
+        if kind == "job":
+            job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
+            if rec["state"] == "RUNNING":
+                jobs.mark_running(c, job_id, attempt, ts)
+                return False, True
+            if rec["state"] == "EXITED":
+                code = rec.get("exit_code")
+                jobs.finish_attempt(c, job_id, attempt,
+                                    exit_code=int(code) if code is not None else None,
+                                    failure_kind=rec.get("failure_kind"),
+                                    message=rec.get("message"), ts=ts)
+                return True, True
+            raise ValueError(f"unknown job state {rec['state']!r}")
+        if kind == "log":
+            added = logs.append(c, int(rec["job_id"]), int(rec["attempt"]), rec["lines"],
+                                keep=int(self.cfg["log_keep_lines"]))
+            return False, bool(added)
+        if kind == "metrics":
+            points = rec["points"]
+            keys = list({str(p[0]) for p in points})
+            index = {k: i for i, k in enumerate(keys)}
+            run_id = int(rec["run_id"])
+            if c.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone():
+                metrics.ingest(c, run_id, keys,
+                               [[index[str(k)], s, v, t] for k, s, v, t in points])
+            return False, False
+        if kind == "node_stats":
+            nodes.set_stats(c, node, {"gpus": rec.get("gpus") or [],
+                                      "host": rec.get("host") or {}, "ts": ts})
+            return False, False
+        if kind == "checkpoint":
+            c.execute(
+                "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
+                " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
+                (int(rec["run_id"]), str(rec["path"]), rec.get("step"), rec.get("epoch"),
+                 rec.get("size_bytes"), rec.get("fingerprint"), ts))
+            return False, False
+        if kind == "event":
+            events.add(c, str(rec["type"]), str(rec.get("message", "")),
+                       severity=rec.get("severity", "info"), run_id=rec.get("run_id"),
+                       job_id=rec.get("job_id"), node=node, data=rec.get("data"), ts=ts)
+            return False, False
+        raise ValueError(f"unknown record kind {kind!r}")
+
+    # -- reconciliation -----------------------------------------------------------------
+
+    def reconcile(self, node, msg):
+        """After a (re)connect and a drained outbox: compare what the agent runs with what
+        the server believes. Returns the commands to send."""
+        try:
+            running = {(int(r["job_id"]), int(r["attempt"])) for r in msg.get("running", [])}
+            known = {(int(a), int(b)) for a, b in msg.get("known", [])}
+        except (KeyError, TypeError, ValueError):
+            raise _protocol("sync needs 'running' [{job_id, attempt}] and 'known' "
+                            "[[job_id, attempt]]") from None
+        known |= running
+        commands, url = [], self.server_url()
+        with self.db.tx() as c:
+            for job in jobs.active(self.db, node):
+                key = (job["id"], job["attempt"])
+                if key in known:
+                    continue
+                if job["state"] == "DISPATCHED":
+                    log.info("node %s never got job %d attempt %d; sending it again",
+                             node, *key)
+                    commands.append(jobs.restart_command(self.db, job, url))
+                else:
+                    log.warning("node %s does not know running job %d attempt %d: lost",
+                                node, *key)
+                    jobs.finish_attempt(c, job["id"], job["attempt"], failure_kind="LOST",
+                                        message=f"node {node} restarted without it")
+            for job_id, attempt in sorted(running):
+                job = jobs.get(self.db, job_id)
+                if (job is None or job["node"] != node or job["attempt"] != attempt
+                        or job["state"] not in jobs.ACTIVE):
+                    log.warning("node %s runs stale job %d attempt %d; stopping it",
+                                node, job_id, attempt)
+                    commands.append({"type": "cancel", "job_id": job_id, "attempt": attempt})
+        nodes.set_synced(self.db, node)
+        self.hub.publish()
+        return commands
+
+
+def _protocol(message, code=CLOSE_PROTOCOL):
+    e = ProtocolError(message)
+    e.code = code
+    return e
+
+
+def _close(ws, code, reason):
+    try:
+        ws.close(code, reason[:120])
+    except Exception:
+        pass

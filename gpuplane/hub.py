@@ -1,0 +1,23 @@
+"""In-process pub/sub: log lines and job ends wake SSE followers (one server process)."""
+import threading
+
+
+class Hub:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._version = 0
+
+    def publish(self):
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    @property
+    def version(self):
+        return self._version
+
+    def wait(self, seen_version, timeout):
+        """Block until something was published after `seen_version`, or timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._version != seen_version, timeout)
+            return self._version

@@ -1,0 +1,153 @@
+"""The GPU-slot scheduler thread.
+
+Slots are whole GPUs, exclusive, N on one node; never guessed from utilisation. Queued
+jobs are considered by priority, then submission order; a job that fits nowhere right
+now is skipped so smaller jobs behind it can use free slots, and a job that can never fit
+on any known node says so in `pending_reason`. The same tick declares jobs on nodes gone
+longer than the grace period NODE_LOST.
+"""
+import logging
+import threading
+
+from .db import jobs, nodes, now_ms
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """A background thread: run() calls the subclass's tick() every `interval` (or at
+    once on wake()) until stop(); a failing tick is logged and the loop goes on."""
+    name = "worker"
+    interval = 1.0
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = None
+
+    def start(self):
+        self._thread = threading.Thread(target=self.run, name=f"gpuplane-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def wake(self):
+        self._wake.set()
+
+    def run(self):
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("%s tick failed", self.name)
+            self._wake.wait(self.interval)
+            self._wake.clear()
+
+    def stop(self, timeout=5):
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("thread %s did not stop within %s s", self._thread.name, timeout)
+
+
+class Scheduler(Worker):
+    name = "scheduler"
+
+    def __init__(self, db, gateway, cfg):
+        super().__init__()
+        self.db = db
+        self.gateway = gateway
+        self.cfg = cfg
+
+    def tick(self):
+        self.expire_lost_nodes()
+        self.schedule()
+
+    def expire_lost_nodes(self):
+        grace_ms = float(self.cfg["node_grace_s"]) * 1000
+        cutoff = now_ms() - grace_ms
+        for node in nodes.list_nodes(self.db):
+            if node["state"] != "disconnected" or (node["disconnected_at"] or 0) > cutoff:
+                continue
+            for job in jobs.active(self.db, node["name"]):
+                log.warning("node %s gone for more than %.0f s: job %d attempt %d lost",
+                            node["name"], grace_ms / 1000, job["id"], job["attempt"])
+                with self.db.tx() as c:
+                    jobs.finish_attempt(c, job["id"], job["attempt"], failure_kind="NODE_LOST",
+                                        message=f"node {node['name']} lost")
+
+    def free_slots(self):
+        """{node: (free gpu indices, free cpu slots)} for connected, reconciled nodes."""
+        free = {}
+        all_nodes = nodes.list_nodes(self.db)
+        active = jobs.active(self.db)
+        for n in all_nodes:
+            if n["state"] != "connected" or not n["synced"] or not self.gateway.connected(n["name"]):
+                continue
+            gpus = {g["index"] for g in n["gpus"] if isinstance(g.get("index"), int)}
+            cpu = n["cpu_slots"]
+            for j in active:
+                if j["node"] == n["name"]:
+                    gpus -= set(j["gpu_indices"] or [])
+                    cpu -= 1 if j["cpu_only"] else 0
+            free[n["name"]] = (sorted(gpus), cpu)
+        return free, all_nodes
+
+    def schedule(self):
+        queue = jobs.queued(self.db)
+        if not queue:
+            return
+        free, all_nodes = self.free_slots()
+        url = self.gateway.server_url()
+        for job in queue:
+            node, gpu_indices = self._place(job, free)
+            if node is None:
+                reason = self._why_waiting(job, all_nodes)
+                if reason != job["pending_reason"]:
+                    jobs.set_pending_reason(self.db, job["id"], reason)
+                continue
+            cmd = jobs.assign(self.db, job["id"], node, gpu_indices, url)
+            if cmd is None:
+                continue
+            gpus_left, cpu_left = free[node]
+            free[node] = ([i for i in gpus_left if i not in gpu_indices],
+                          cpu_left - (1 if job["cpu_only"] else 0))
+            log.info("job %d attempt %d → %s %s", job["id"], cmd["attempt"], node,
+                     "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
+            # If this send is lost, the job stays DISPATCHED and the agent's next sync
+            # brings the same start again.
+            self.gateway.send(node, cmd)
+
+    @staticmethod
+    def _place(job, free):
+        if job["cpu_only"]:
+            fits = [(cpu, name) for name, (_, cpu) in free.items() if cpu > 0]
+            if not fits:
+                return None, None
+            return max(fits)[1], []
+        # Best fit: the node with the fewest free GPUs that still holds the job, so big
+        # holes stay open for big jobs.
+        fits = sorted((len(g), name) for name, (g, _) in free.items() if len(g) >= job["gpus"])
+        if not fits:
+            return None, None
+        name = fits[0][1]
+        return name, free[name][0][:job["gpus"]]
+
+    @staticmethod
+    def _why_waiting(job, all_nodes):
+        if not all_nodes:
+            return "no agent has connected yet; start one with `gpuplane-agent --server URL --token T`"
+        if job["cpu_only"]:
+            if not any(n["state"] == "connected" for n in all_nodes):
+                return "no node is connected"
+            return "waiting for a free CPU slot"
+        largest = max(all_nodes, key=lambda n: len(n["gpus"]))
+        if len(largest["gpus"]) < job["gpus"]:
+            return (f"needs {job['gpus']} GPUs on one node; the largest node "
+                    f"({largest['name']}) has {len(largest['gpus'])}. Lower --gpus or add a "
+                    "bigger node")
+        if not any(n["state"] == "connected" and len(n["gpus"]) >= job["gpus"]
+                   for n in all_nodes):
+            return f"no connected node has {job['gpus']} GPUs; waiting for one to come back"
+        return f"waiting for {job['gpus']} free GPU(s) on one node"
