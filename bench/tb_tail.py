@@ -1,0 +1,123 @@
+"""Scalars/s of TBTailer.poll() against tensorboard's own EventFileLoader, on one file.
+
+    .venv/bin/python bench/tb_tail.py [--scalars 1000000] [--reps 3] [--loader-reps 1]
+
+Writes a v1 (simple_value) event file with several tags, then reads it whole.
+"""
+import argparse
+import importlib.util
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_tailer():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from agent import TBTailer
+    except ImportError:
+        TBTailer = None
+    if TBTailer is None:
+        spec = importlib.util.spec_from_file_location("tbtail", ROOT / ".scratch" / "tbtail.py")
+        mod = sys.modules["tbtail"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        TBTailer = mod.TBTailer
+    return TBTailer
+
+
+def write_file(run_dir, n_scalars, tags):
+    """Frames records itself: tensorboard's EventFileWriter computes CRCs in pure Python
+    and needs minutes for a million scalars. The loader reading the file back whole
+    (asserted in main) shows the framing is right."""
+    import struct
+    import google_crc32c
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    def masked(b):
+        c = google_crc32c.value(b)
+        return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    def record(data):
+        head = struct.pack("<Q", len(data))
+        return head + struct.pack("<I", masked(head)) + data + struct.pack("<I", masked(data))
+
+    t0 = time.time()
+    path = os.path.join(run_dir, f"events.out.tfevents.{int(t0)}.bench.1.0")
+    with open(path, "wb") as fh:
+        fh.write(record(event_pb2.Event(wall_time=t0, file_version="brain.Event:2").SerializeToString()))
+        out = []
+        for i in range(n_scalars // len(tags)):
+            # One tag per event, as torch's SummaryWriter.add_scalar and Keras write them.
+            for k, tag in enumerate(tags):
+                v = summary_pb2.Summary.Value(tag=tag, simple_value=i * 0.001 + k)
+                ev = event_pb2.Event(wall_time=t0 + i * 0.01, step=i, summary=summary_pb2.Summary(value=[v]))
+                out.append(record(ev.SerializeToString()))
+            if len(out) > 10000:
+                fh.write(b"".join(out))
+                out.clear()
+        fh.write(b"".join(out))
+    return path
+
+
+def time_tailer(TBTailer, run_dir):
+    t = time.perf_counter()
+    points = TBTailer(run_dir).poll()
+    return time.perf_counter() - t, len(points)
+
+
+def time_loader(path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    t = time.perf_counter()
+    n = 0
+    for ev in EventFileLoader(path).Load():
+        for v in ev.summary.value:
+            if v.metadata.plugin_data.plugin_name == "scalars":
+                tensor_util.make_ndarray(v.tensor).item()
+                n += 1
+    return time.perf_counter() - t, n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scalars", type=int, default=1_000_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--loader-reps", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where to write the file (default: a temp dir)")
+    args = ap.parse_args()
+
+    TBTailer = load_tailer()
+    crc = getattr(sys.modules[TBTailer.__module__], "TB_CRC32C", "?")
+    tags = ["loss", "lr", "accuracy", "grad_norm", "val/loss"]
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        t = time.perf_counter()
+        path = write_file(tmp, args.scalars, tags)
+        print(f"wrote {args.scalars} scalars ({os.path.getsize(path) / 1e6:.1f} MB) in "
+              f"{time.perf_counter() - t:.1f} s: {path}")
+
+        ours = []
+        for _ in range(args.reps):
+            secs, n = time_tailer(TBTailer, tmp)
+            assert n == args.scalars, n
+            ours.append(n / secs)
+        theirs = []
+        for _ in range(args.loader_reps):
+            secs, n = time_loader(path)
+            assert n == args.scalars, n
+            theirs.append(n / secs)
+
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"TBTailer.poll (crc32c: {crc}): {a:,.0f} scalars/s  (median of {len(ours)}: "
+          + ", ".join(f"{x:,.0f}" for x in ours) + ")")
+    print(f"EventFileLoader:              {b:,.0f} scalars/s  (median of {len(theirs)}: "
+          + ", ".join(f"{x:,.0f}" for x in theirs) + ")")
+    print(f"ratio: {a / b:.1f}x")
+
+if __name__ == "__main__":
+    main()
