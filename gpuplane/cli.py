@@ -97,11 +97,15 @@ def _port(text):
     return value
 
 
-def _global_options(parser, suppress):
+def _global_options(parser, suppress, home_only=False):
     # The same flags on every subcommand, so `gpuplane job list --server X` works too;
     # SUPPRESS there keeps a subcommand from resetting what was given before it.
     default = argparse.SUPPRESS if suppress else None
     g = parser.add_argument_group("connection")
+    if home_only:
+        g.add_argument("--home", metavar="DIR", default=default,
+                       help="GPUPlane home (default: $GPUCTL_HOME, else ~/.gpuctl)")
+        return
     g.add_argument("--server", metavar="URL", default=default,
                    help="server URL (default: $GPUCTL_SERVER, else the server in the "
                         "local home's server.toml, else http://127.0.0.1:8600)")
@@ -122,6 +126,12 @@ def common_parents():
     return conn, js
 
 
+def _home_parent():
+    home = argparse.ArgumentParser(add_help=False)
+    _global_options(home, suppress=True, home_only=True)
+    return home
+
+
 def get_parser():
     parser = argparse.ArgumentParser(
         prog="gpuplane",
@@ -132,6 +142,7 @@ def get_parser():
     )
     _global_options(parser, suppress=False)
     conn, js = common_parents()
+    home = _home_parent()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(subparsers, name, help, parents=(conn,), **kw):
@@ -139,7 +150,8 @@ def get_parser():
                                      parents=list(parents), **kw)
 
     # server, agent, up
-    p = command(sub, "server", "run the GPUPlane server in the foreground")
+    p = command(sub, "server", "run the GPUPlane server in the foreground",
+                parents=(home,))
     p.add_argument("--host", help="address to listen on (default: server.toml, else 127.0.0.1)")
     p.add_argument("--port", type=_port, help="port (default: server.toml, else 8600)")
     p.add_argument("--threads", type=_positive_int,
@@ -157,7 +169,8 @@ def get_parser():
                         "(see `gpuplane agent --help`)")
     p.set_defaults(func=cmd_agent)
 
-    p = command(sub, "up", "start a server and a local agent together on this machine")
+    p = command(sub, "up", "start a server and a local agent together on this machine",
+                parents=(home,))
     p.add_argument("--host", default="127.0.0.1",
                    help="address the server listens on (default 127.0.0.1)")
     p.add_argument("--port", type=_port,
@@ -181,7 +194,8 @@ def get_parser():
                 parents=(conn, js), epilog="example:\n  gpuplane job submit -n mnist -g 1 "
                 "-d \"$PWD/examples/mnist\" --watch checkpoints -- python train.py --epochs 3",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--name", help="job name (default: the script's name, e.g. train for train.py)")
+    p.add_argument("-n", "--name",
+                   help="job name (default: the script's name, e.g. train for train.py)")
     p.add_argument("-g", "--gpus", type=_positive_int, metavar="N",
                    help="GPUs wanted, all on one node (default 1; 0 means --cpu-only)")
     p.add_argument("-d", "--dir", dest="working_dir", metavar="DIR",
@@ -252,7 +266,8 @@ def get_parser():
     p = command(tsub, "revoke", "revoke a token", parents=(conn, js))
     p.add_argument("token_id", type=_positive_int, metavar="ID")
     p.set_defaults(func=cmd_token_revoke)
-    p = command(tsub, "show-admin", "print the admin token from the local server.toml")
+    p = command(tsub, "show-admin", "print the admin token from the local server.toml",
+                parents=(home,))
     p.set_defaults(func=cmd_token_show_admin)
 
     # Commands that live in their own modules add themselves here.
@@ -453,7 +468,10 @@ def _job_body(args):
 
 
 def _default_name(cmd):
-    words = shlex.split(cmd[0]) if len(cmd) == 1 else cmd
+    try:
+        words = shlex.split(cmd[0]) if len(cmd) == 1 else cmd
+    except ValueError:
+        words = cmd[0].split()
     for word in words:
         if word.endswith(".py"):
             return pathlib.Path(word).stem

@@ -1,0 +1,468 @@
+"""The `gpuplane` CLI and the REST client: parsing, server/token resolution, and the
+commands against a real server and agent."""
+
+import http.server
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpuplane import cli, client, config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    # A developer's own GPUCTL_* settings must not leak into what is tested.
+    for key in ("GPUCTL_SERVER", "GPUCTL_TOKEN", "GPUCTL_HOME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user-home"))
+
+
+# -- parser ------------------------------------------------------------------------------
+
+PARSES = [
+    (["server"], {"command": "server"}),
+    (["server", "--host", "0.0.0.0", "--port", "9000", "--threads", "32"],
+     {"host": "0.0.0.0", "port": 9000, "threads": 32}),
+    (["agent", "--server", "http://h:8600", "--token", "t", "--fake-gpus", "2"],
+     {"agent_args": ["--server", "http://h:8600", "--token", "t", "--fake-gpus", "2"]}),
+    (["up", "--port", "0", "--fake-gpus", "2", "--example", "--exit-when-done"],
+     {"port": 0, "fake_gpus": 2, "example": True, "exit_when_done": True}),
+    (["job", "submit", "-n", "mnist", "-g", "2", "-d", "/data/mnist", "--priority", "5",
+      "--max-attempts", "3", "--env", "LR=0.1", "--env", "X=a=b", "--project", "p",
+      "--experiment", "e", "--tb-dir", "runs", "--watch", "ckpt", "--follow", "--",
+      "python", "train.py", "--epochs", "3"],
+     {"name": "mnist", "gpus": 2, "working_dir": "/data/mnist", "priority": 5,
+      "max_attempts": 3, "env": [("LR", "0.1"), ("X", "a=b")], "project": "p",
+      "experiment": "e", "tb_dir": "runs", "watch": "ckpt", "follow": True,
+      "cmd": ["python", "train.py", "--epochs", "3"]}),
+    (["job", "submit", "--cpu-only", "--", "echo hi"], {"cpu_only": True, "cmd": ["echo hi"]}),
+    (["job", "list", "--state", "running", "--json"], {"state": "RUNNING", "json": True}),
+    (["job", "show", "17", "--json"], {"job_id": 17, "json": True}),
+    (["job", "cancel", "3"], {"job_id": 3, "job_command": "cancel"}),
+    (["job", "retry", "3"], {"job_id": 3, "job_command": "retry"}),
+    (["logs", "-f", "--tail", "20", "5"], {"follow": True, "tail": 20, "job_id": 5}),
+    (["logs", "5"], {"follow": False, "tail": None}),
+    (["status", "--json"], {"json": True}),
+    (["whoami"], {"command": "whoami"}),
+    (["token", "create", "--name", "laptop", "--scope", "read"],
+     {"name": "laptop", "scope": "read"}),
+    (["token", "list", "--json"], {"json": True}),
+    (["token", "revoke", "4"], {"token_id": 4}),
+    (["token", "show-admin"], {"token_command": "show-admin"}),
+    # Connection flags work before and after the command.
+    (["--server", "http://a:1", "job", "list"], {"server": "http://a:1", "token": None}),
+    (["job", "list", "--server", "http://b:2", "--token", "T"],
+     {"server": "http://b:2", "token": "T"}),
+    (["--token", "T1", "status", "--home", "/h"], {"token": "T1", "home": "/h"}),
+]
+
+
+@pytest.mark.parametrize("argv,expected", PARSES, ids=[" ".join(a) for a, _ in PARSES])
+def test_every_command_parses(argv, expected):
+    args = cli.get_parser().parse_args(argv)
+    assert callable(args.func)
+    for key, value in expected.items():
+        assert getattr(args, key) == value, key
+
+
+BAD = [
+    ([], "required: COMMAND"),
+    (["job"], "required: JOB_COMMAND"),
+    (["frobnicate"], "invalid choice"),
+    (["job", "show", "abc"], "job ids are numbers"),
+    (["job", "show", "0"], "job ids start at 1"),
+    (["job", "submit", "-n", "x"], "required: CMD"),
+    (["job", "submit", "-n", "x", "python", "train.py", "--epochs", "3"],
+     "unrecognized arguments: --epochs"),
+    (["job", "submit", "--env", "NOEQUALS", "--", "ls"], "expected KEY=VALUE"),
+    (["job", "submit", "-g", "-1", "--", "ls"], "expected"),
+    (["job", "list", "--state", "SLEEPING"], "invalid choice"),
+    (["logs", "--tail", "many", "3"], "expected a whole number"),
+    (["token", "create", "--name", "x", "--scope", "root"], "invalid choice: 'root'"),
+    (["token", "create", "--scope", "read"], "required: --name"),
+    (["server", "--port", "70000"], "a port is 0-65535"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) or "(none)" for a, _ in BAD])
+def test_bad_input_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_exit_when_done_needs_example(capsys, tmp_path):
+    assert cli.main(["--home", str(tmp_path), "up", "--exit-when-done"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err.startswith("error: --exit-when-done")
+
+
+def test_submit_body_sends_the_dir_as_given_and_a_shell_line_as_a_string(monkeypatch):
+    parse = cli.get_parser().parse_args
+    command, wd, fields = cli._job_body(parse(
+        ["job", "submit", "-d", "relative/dir", "--", "python", "sub/train.py"]))
+    assert command == ["python", "sub/train.py"] and wd == "relative/dir"
+    assert fields["name"] == "train" and fields["cpu_only"] is None
+    command, wd, fields = cli._job_body(parse(["job", "submit", "-g", "0", "--", "echo a | wc"]))
+    assert command == "echo a | wc" and wd == os.getcwd()
+    assert fields["cpu_only"] is True and fields["gpus"] == 0 and fields["name"] == "echo"
+
+
+def test_time_formatting():
+    now = 1_764_403_200.0
+    assert cli.ago(now * 1000 - 2_000, now) == "just now"
+    assert cli.ago(now * 1000 - 42_000, now) == "42s ago"
+    assert cli.ago(now * 1000 - 5 * 60_000, now) == "5m ago"
+    assert cli.ago(now * 1000 - 3 * 3_600_000, now) == "3h ago"
+    assert cli.ago(None, now) is None
+    assert cli.duration(1000, 46_000) == "45s"
+    assert cli.duration(0 + 1, 192_001) == "3m 12s"
+    assert cli.duration(1, 3_720_001) == "1h 02m"
+
+
+def test_table_is_aligned(capsys):
+    cli.print_table([[1, "a", None], [100, "longer name", "x"]], ["ID", "NAME", "NODE"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["ID   NAME         NODE",
+                     "1    a            -",
+                     "100  longer name  x"]
+
+
+# -- server and token resolution ------------------------------------------------------------
+
+def write_server_toml(home, text):
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "server.toml").write_text(text)
+
+
+def test_resolution_defaults_without_any_configuration(tmp_path):
+    assert client.resolve(home=tmp_path / "nothing") == ("http://127.0.0.1:8600", None)
+
+
+def test_resolution_reads_the_local_server_toml(tmp_path):
+    write_server_toml(tmp_path, 'admin_token = "adm"\nhost = "0.0.0.0"\nport = 9123\n')
+    assert client.resolve(home=tmp_path) == ("http://127.0.0.1:9123", "adm")
+
+
+def test_resolution_env_beats_toml_and_args_beat_env(tmp_path, monkeypatch):
+    write_server_toml(tmp_path, 'admin_token = "adm"\nport = 9123\n')
+    monkeypatch.setenv("GPUCTL_SERVER", "http://env-host:1/")
+    monkeypatch.setenv("GPUCTL_TOKEN", "envtok")
+    assert client.resolve(home=tmp_path) == ("http://env-host:1", "envtok")
+    assert client.resolve("http://arg:2", "argtok", home=tmp_path) == ("http://arg:2", "argtok")
+    assert client.resolve("http://arg:2", home=tmp_path) == ("http://arg:2", "envtok")
+    monkeypatch.delenv("GPUCTL_SERVER")
+    assert client.resolve(home=tmp_path) == ("http://127.0.0.1:9123", "envtok")
+
+
+def test_home_from_environment(tmp_path, monkeypatch):
+    write_server_toml(tmp_path, 'admin_token = "from-env-home"\nport = 9124\n')
+    monkeypatch.setenv("GPUCTL_HOME", str(tmp_path))
+    assert client.resolve() == ("http://127.0.0.1:9124", "from-env-home")
+
+
+def test_local_admin_token_never_goes_to_another_server(tmp_path, monkeypatch):
+    write_server_toml(tmp_path, 'admin_token = "adm"\nport = 9123\n')
+    assert client.resolve("http://elsewhere:8600", home=tmp_path) == \
+        ("http://elsewhere:8600", None)
+    monkeypatch.setenv("GPUCTL_SERVER", "http://elsewhere:8600")
+    assert client.resolve(home=tmp_path)[1] is None
+    # ... but naming the local server explicitly still finds its token.
+    assert client.resolve("http://127.0.0.1:9123/", home=tmp_path)[1] == "adm"
+
+
+def test_show_admin_prints_the_token_of_the_home(tmp_path, capsys):
+    cfg, created = config.ensure_server_config(tmp_path)
+    assert created
+    assert cli.main(["--home", str(tmp_path), "token", "show-admin"]) == 0
+    assert capsys.readouterr().out.strip() == cfg["admin_token"]
+
+
+def test_show_admin_without_a_server_toml_names_the_fix(tmp_path, capsys):
+    assert cli.main(["token", "show-admin", "--home", str(tmp_path / "none")]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "gpuplane server" in err and "server.toml" in err
+
+
+def test_unreachable_server_is_one_line_and_exit_4(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["--server", url, "--token", "t", "job", "list"]) == cli.EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the GPUPlane server at {url}")
+    assert len(err.strip().splitlines()) == 1
+
+
+# -- client against plain HTTP servers ---------------------------------------------------
+# These two stand in for a broken proxy and a flaky network, which a real GPUPlane
+# server does not produce on demand.
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen_last_event_ids = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        if self.path.startswith("/api/v1/jobs/1/logs/stream"):
+            return self._stream()
+        body = b"<html>Bad Gateway</html>"
+        self.send_response(502)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _stream(self):
+        last = self.headers.get("Last-Event-ID")
+        type(self).seen_last_event_ids.append(last)
+        start = int(last) + 1 if last else 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        # First connection: lines 1-3, then the connection drops mid-job.
+        # Second: the rest from where the client says it is, then the end event.
+        stop = 3 if last is None else 5
+        for i in range(start, stop + 1):
+            line = {"id": i, "attempt": 1, "line_no": i, "ts": 0, "text": f"line {i}"}
+            self.wfile.write(f": keepalive\n\nid: {i}\ndata: {json.dumps(line)}\n\n".encode())
+        if last is not None:
+            self.wfile.write(b'event: end\ndata: {"state": "SUCCEEDED"}\n\n')
+        self.wfile.flush()
+
+
+@pytest.fixture
+def plain_server():
+    _Handler.seen_last_event_ids = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_non_json_error_names_the_url(plain_server):
+    c = client.Client(plain_server, "t")
+    with pytest.raises(client.ApiError) as exc:
+        c.list_jobs()
+    assert exc.value.status == 502
+    assert plain_server in exc.value.message and "Bad Gateway" in exc.value.message
+
+
+def test_stream_resumes_with_last_event_id_without_loss_or_repeats(plain_server):
+    c = client.Client(plain_server, "t")
+    texts = [line["text"] for line in c.stream_logs(1, tail=10)]
+    assert texts == [f"line {i}" for i in range(1, 6)]
+    assert _Handler.seen_last_event_ids == [None, "3"]
+
+
+# -- against a real server and agent -----------------------------------------------------
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _wait(what, check, deadline_s=30):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def stack(live_server, agent):
+    """The conftest's real server and agent (node1, 2 fake GPUs)."""
+    return {"url": live_server.url, "token": live_server.token, "node": agent.name,
+            "client": client.Client(live_server.url, live_server.token)}
+
+
+def run_cli(stack, *argv):
+    """Run the CLI in process against the stack; returns (code, stdout, stderr)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["--server", stack["url"], "--token", stack["token"], *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_submit_follow_show_and_list(stack, tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    code, out, err = run_cli(
+        stack, "job", "submit", "-n", "hello", "--cpu-only", "-d", str(workdir),
+        "--env", "GREETING=hi there", "--follow", "--",
+        sys.executable, "-c", "import os; print(os.environ['GREETING']); print('done')")
+    assert code == cli.EXIT_OK, err
+    lines = out.splitlines()
+    job_id = int(lines[0])
+    assert lines[1:] == ["hi there", "done"]
+    assert f"job {job_id} SUCCEEDED" in err
+
+    code, out, _ = run_cli(stack, "job", "show", str(job_id))
+    assert code == 0
+    assert "SUCCEEDED" in out and "hello" in out and str(workdir) in out
+    assert "ATTEMPT" in out and stack["node"] in out
+
+    code, out, _ = run_cli(stack, "job", "show", str(job_id), "--json")
+    job = json.loads(out)
+    assert job["state"] == "SUCCEEDED" and job["exit_code"] == 0 and job["attempts"]
+
+    code, out, _ = run_cli(stack, "job", "list", "--json")
+    assert [j["id"] for j in json.loads(out)] == [job_id]
+    code, out, _ = run_cli(stack, "job", "list")
+    header, row = out.splitlines()
+    assert header.split()[:3] == ["ID", "NAME", "STATE"]
+    assert row.split()[:3] == [str(job_id), "hello", "SUCCEEDED"]
+
+    code, out, _ = run_cli(stack, "logs", "--tail", "1", str(job_id))
+    assert code == 0 and out == "done\n"
+
+    for verb in ("cancel", "retry"):
+        code, out, err = run_cli(stack, "job", verb, str(job_id))
+        assert code == cli.EXIT_ERROR and out == ""
+        assert err.startswith("error: ") and "SUCCEEDED" in err
+
+
+def test_failed_job_exit_code_and_relative_dir_rejected(stack, tmp_path):
+    code, out, err = run_cli(stack, "job", "submit", "--cpu-only", "-d", str(tmp_path),
+                             "--follow", "--", sys.executable, "-c", "raise SystemExit(7)")
+    assert code == cli.EXIT_FAILED
+    assert "FAILED" in err and "exit code 7" in err
+
+    code, out, err = run_cli(stack, "job", "submit", "--cpu-only", "-d", "relative/dir",
+                             "--", "true")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith("error: ") and "relative/dir" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cancel_retry_and_logs_follow(stack, tmp_path):
+    code, out, _ = run_cli(
+        stack, "job", "submit", "--cpu-only", "-d", str(tmp_path), "--",
+        sys.executable, "-c",
+        "import time\nprint('started', flush=True)\nwhile True: time.sleep(0.05)")
+    job_id = int(out)
+    c = stack["client"]
+    _wait("job running and printing", lambda: c.logs(job_id)["lines"], 30)
+
+    # A second `gpuplane` process follows the logs while this one cancels.
+    out_path = tmp_path / "follow.out"
+    with open(out_path, "wb") as out_file:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "gpuplane", "--server", stack["url"], "--token",
+             stack["token"], "logs", "-f", str(job_id)],
+            env=_env(), stdout=out_file, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait("the follower printing", lambda: out_path.read_text().startswith("started\n"))
+        code, out, _ = run_cli(stack, "job", "cancel", str(job_id))
+        assert code == 0 and f"job {job_id}" in out
+        err = follower.communicate(timeout=60)[1]
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == cli.EXIT_CANCELLED, err
+    assert out_path.read_text() == "started\n"
+    assert f"job {job_id} CANCELLED" in err
+
+    code, out, _ = run_cli(stack, "job", "cancel", str(job_id))
+    assert code == 0 and f"job {job_id} CANCELLED" in out
+
+    code, out, _ = run_cli(stack, "job", "retry", str(job_id), "--json")
+    assert code == 0 and json.loads(out)["state"] in ("QUEUED", "DISPATCHED", "RUNNING")
+    _wait("the second attempt", lambda: c.get_job(job_id)["attempt"] == 2)
+    code, out, _ = run_cli(stack, "job", "show", str(job_id))
+    assert re.search(r"attempt\s+2 of", out)
+    run_cli(stack, "job", "cancel", str(job_id))
+
+
+def test_status_shows_nodes_slots_and_queue(stack, tmp_path):
+    # More GPUs than any node has: it stays queued with a reason.
+    code, out, _ = run_cli(stack, "job", "submit", "-g", "4", "-n", "huge", "-d",
+                           str(tmp_path), "--", "true")
+    assert code == 0
+    code, out, _ = run_cli(stack, "status")
+    assert code == 0
+    assert stack["node"] in out and "GPU 0" in out and "GPU 1" in out
+    assert "huge" in out and "queue: 1 job" in out
+    code, out, _ = run_cli(stack, "status", "--json")
+    data = json.loads(out)
+    assert [n["name"] for n in data["nodes"]] == [stack["node"]]
+    assert [j["name"] for j in data["queue"]] == ["huge"]
+
+
+def test_missing_job_is_one_error_line(stack):
+    code, out, err = run_cli(stack, "job", "show", "999")
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith("error: ") and "999" in err
+
+
+def test_tokens_and_whoami(stack):
+    code, out, _ = run_cli(stack, "whoami", "--json")
+    assert json.loads(out)["scope"] == "admin"
+    code, out, err = run_cli(stack, "token", "create", "--name", "laptop", "--scope", "read")
+    assert code == 0
+    secret = out.strip()
+    assert secret and "shown only this once" in err
+
+    reader = {**stack, "token": secret}
+    code, out, _ = run_cli(reader, "whoami")
+    assert code == 0 and "laptop" in out and "read only" in out
+    code, _, err = run_cli(reader, "job", "submit", "--cpu-only", "-d", "/tmp", "--", "true")
+    assert code == cli.EXIT_ERROR and err.startswith("error: ")
+
+    code, out, _ = run_cli(stack, "token", "list", "--json")
+    token_id = next(t["id"] for t in json.loads(out) if t["name"] == "laptop")
+    assert secret not in out
+    code, out, _ = run_cli(stack, "token", "revoke", str(token_id))
+    assert code == 0 and "revoked" in out
+    code, _, err = run_cli(reader, "whoami")
+    assert code == cli.EXIT_ERROR and err.startswith("error: ")
+
+
+def test_slow_up_example_exit_when_done(tmp_path):
+    """`gpuplane up --example --exit-when-done` from a clean home. Slow (~10-30 s):
+    skip with `-k "not slow"`."""
+    if not (REPO / "examples" / "cpu" / "train.py").exists():
+        pytest.skip("examples/cpu/train.py is not written yet")
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port",
+         str(free_port()), "--example", "--exit-when-done"],
+        env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPUPlane is up at http://127.0.0.1:" in proc.stdout
+    assert str(home / "server.toml") in proc.stdout
+    assert "SUCCEEDED" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    # Both children were stopped: nothing answers on the port any more.
+    url = proc.stdout.split("GPUPlane is up at ")[1].split()[0]
+    with pytest.raises(client.ServerUnreachable):
+        client.Client(url, "-").health()
