@@ -1,0 +1,332 @@
+"""The sender thread and the few HTTP calls the SDK makes.
+
+One daemon thread per process, ``gpuctl-sdk-sender``. Each tick it moves queued points
+into batches on the spool (the order of points, checkpoints and events is kept), then, when
+a server can be reached, sends what the spool holds, oldest first; new batches always queue
+behind older unacknowledged ones, so a replay never comes after newer data. When its own
+spool is empty it also replays spool files other processes left behind.
+"""
+
+import json
+import threading
+import time
+
+import requests
+
+from . import spool as _spool
+
+BATCH_MAX = 1000  # points per POST
+INTERVAL_S = 0.5
+TIMEOUT = (2.0, 5.0)  # connect, read
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
+FOREIGN_SCAN_S = 30.0
+
+OK, RETRY, DROP, DENIED = "ok", "retry", "drop", "denied"
+
+_PATHS = {"metrics": "metrics", "checkpoint": "checkpoints", "event": "events",
+          "finish": "finish"}
+
+
+def _session(token):
+    s = requests.Session()
+    s.headers["Authorization"] = "Bearer %s" % token
+    s.headers["Content-Type"] = "application/json"
+    s.headers["User-Agent"] = "gpuctl-sdk"
+    return s
+
+
+def post(session, url, payload):
+    """POST JSON text; return (outcome, answer). A 2xx must carry a JSON object: a proxy's
+    or captive portal's HTML page is not an acknowledgement."""
+    try:
+        resp = session.post(url, data=payload.encode() if isinstance(payload, str) else payload,
+                            timeout=TIMEOUT)
+    except Exception:
+        return RETRY, None
+    code = resp.status_code
+    if 200 <= code < 300:
+        try:
+            answer = resp.json()
+        except Exception:
+            return RETRY, None
+        return (OK, answer) if isinstance(answer, dict) else (RETRY, None)
+    if code in (401, 403):
+        return DENIED, None
+    if code in (408, 425, 429) or code >= 500:
+        return RETRY, None
+    # any other 4xx will never succeed: resending it forever would block everything behind
+    return DROP, None
+
+
+def register(server, token, info, session=None):
+    """Create a source=sdk run; return (run_id or None, outcome)."""
+    body = json.dumps({"project": info.get("project") or "default",
+                       "experiment": info.get("experiment") or "",
+                       "name": info.get("name") or "", "config": info.get("config"),
+                       "source": "sdk"}, default=str)
+    own = session is None
+    session = session or _session(token)
+    try:
+        outcome, answer = post(session, "%s/api/v1/runs" % server, body)
+    finally:
+        if own:
+            session.close()
+    if outcome == OK and answer.get("id") is not None:
+        return answer["id"], OK
+    return None, RETRY if outcome == OK else outcome
+
+
+class Sender(threading.Thread):
+    def __init__(self, r):
+        super().__init__(name="gpuctl-sdk-sender", daemon=True)
+        self.r = r
+        self._stop_flag = False
+        self._lock = threading.Lock()  # the queue→spool move and spool changes
+        self._expected = 0  # next seq the queue should yield; a gap is a dropped point
+        self._carry = None
+        self._markers = []
+        self._retry_at = 0.0
+        self._backoff = RETRY_MIN_S
+        self._next_scan = 0.0
+        self._skip = set()
+        self._session = None
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self):
+        r = self.r
+        while not self._stop_flag:
+            r.idle = True
+            r.wake.wait(INTERVAL_S)
+            r.idle = False
+            r.wake.clear()
+            try:
+                self.tick()
+            except Exception:
+                r.errors += 1
+        try:
+            self.drain()
+            self._release_markers()
+            with self._lock:
+                r.spool.close()
+            if self._session is not None:
+                self._session.close()
+        except Exception:
+            r.errors += 1
+
+    def stop(self, join_s=0.5):
+        self._stop_flag = True
+        self.r.wake.set()
+        if threading.current_thread() is not self:
+            self.join(join_s)
+
+    def tick(self):
+        self.drain()
+        r = self.r
+        if r.server and r.token and time.monotonic() >= self._retry_at:
+            if r.mode == "local":
+                self._promote()
+            if r.mode != "local":
+                if self._send_pending() and time.monotonic() >= self._next_scan:
+                    self._next_scan = time.monotonic() + FOREIGN_SCAN_S
+                    self._replay_foreign()
+        self._release_markers()
+
+    # -- queue → spool --------------------------------------------------------------------
+
+    def _account(self, seq):
+        if seq >= self._expected:
+            self.r.dropped += seq - self._expected
+            self._expected = seq + 1
+        else:
+            # another thread took a seq before us but queued after us: it was not lost
+            self.r.dropped -= 1
+
+    def drain(self):
+        """Move everything queued into spool records, keeping points, checkpoints and
+        events in the order they were logged."""
+        with self._lock:
+            r = self.r
+            points, control = r.points, r.control
+            batch = []
+            while True:
+                limit = control[0][0] if control else None
+                item = self._carry
+                self._carry = None
+                if item is None and points:
+                    try:
+                        item = points.popleft()
+                    except IndexError:
+                        item = None
+                if item is not None:
+                    if limit is None or item[0] < limit:
+                        self._account(item[0])
+                        batch.append(item)
+                        if len(batch) >= BATCH_MAX:
+                            self._write_metrics(batch)
+                            batch = []
+                        continue
+                    self._carry = item
+                if limit is None:
+                    break
+                if batch:
+                    self._write_metrics(batch)
+                    batch = []
+                seq, kind, payload = control.popleft()
+                self._account(seq)
+                if kind == "flush":
+                    self._markers.append(payload)
+                else:
+                    r.spool.append(kind, payload, 0)
+            if batch:
+                self._write_metrics(batch)
+
+    def _write_metrics(self, batch):
+        keys, index, rows = [], {}, []
+        for _, key, step, value, ts in batch:
+            i = index.get(key)
+            if i is None:
+                i = index[key] = len(keys)
+                keys.append(key)
+            try:
+                if type(value) is not float:
+                    value = float(value)  # an int too large for a float is skipped here
+                rows.append([i, step, value, round(ts * 1000)])
+            except (OverflowError, ValueError, TypeError):
+                self.r.errors += 1
+        if rows:
+            self.r.spool.append("metrics", json.dumps({"keys": keys, "points": rows}), len(rows))
+
+    def pending_drops(self):
+        """Points already pushed out of the full queue that the sender has not met yet."""
+        try:
+            head = self._carry or self.r.points[0]
+        except IndexError:
+            return 0
+        ctrl = sum(1 for c in list(self.r.control) if self._expected <= c[0] < head[0])
+        return max(0, head[0] - self._expected - ctrl)
+
+    def _release_markers(self):
+        markers, self._markers = self._markers, []
+        for m in markers:
+            m.set()
+
+    # -- spool → server -------------------------------------------------------------------
+
+    def _http(self):
+        if self._session is None:
+            self._session = _session(self.r.token)
+        return self._session
+
+    def _deliver(self, run_id, kind, payload):
+        url = "%s/api/v1/runs/%s/%s" % (self.r.server, run_id, _PATHS[kind])
+        outcome, _ = post(self._http(), url, payload)
+        if outcome == OK:
+            self._backoff = RETRY_MIN_S
+        return outcome
+
+    def _failed(self):
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, RETRY_MAX_S)
+
+    def _send_pending(self):
+        r, sp = self.r, self.r.spool
+        while not self._stop_flag:
+            self.drain()
+            item = sp.peek()
+            if item is None:
+                return True
+            _, kind, payload, n = item
+            outcome = self._deliver(r.run_id, kind, payload)
+            if outcome in (RETRY, DENIED):
+                self._failed()
+                return False
+            if outcome == DROP:
+                r.errors += 1
+            elif kind == "metrics":
+                r.sent += n
+            with self._lock:
+                sp.ack()
+        return False
+
+    def _promote(self):
+        r = self.r
+        run_id, outcome = register(r.server, r.token, r.info, self._http())
+        if run_id is None:
+            self._failed()
+            return
+        self._backoff = RETRY_MIN_S
+        with self._lock:
+            r.run_id, r.mode = str(run_id), "registered"
+            r.spool.set_run(r.run_id, r.mode)
+
+    def _replay_foreign(self):
+        for path in _spool.foreign_files(self.r.spool.path):
+            if self._stop_flag or path in self._skip:
+                continue
+            f = _spool.ForeignSpool.open(path)
+            if f is None:
+                continue
+            try:
+                if not self._replay_file(f):
+                    return
+            except Exception:
+                self.r.errors += 1
+                self._skip.add(path)
+            finally:
+                f.close()
+
+    def _replay_file(self, f):
+        """Send one left-behind spool to its run. Returns False when the server stopped
+        answering (stop replaying for now), True otherwise."""
+        r = self.r
+        target = f.state.get("run_id")
+        records = f.records()
+        first = next(records, None)
+        header = f.header
+        if not isinstance(header, dict) or header.get("t") != "run":
+            if first is None and header is None:
+                f.remove()  # empty or unreadable from the first byte: nothing owed
+            else:
+                self._skip.add(f.path)
+            return True
+        same_server = (header.get("server") or "").rstrip("/") == r.server
+        if target is None:
+            run_id = str(header.get("run_id", ""))
+            if not run_id.startswith("local-"):
+                if not same_server:
+                    self._skip.add(f.path)
+                    return True
+                target = run_id
+            else:
+                if header.get("server") and not same_server:
+                    self._skip.add(f.path)
+                    return True
+                target, outcome = register(r.server, r.token, header, self._http())
+                if target is None:
+                    if outcome == RETRY:
+                        self._failed()
+                        return False
+                    self._skip.add(f.path)  # this token may not create runs
+                    return True
+                f.advance(0, run_id=target)
+        rec = first
+        while rec is not None:
+            end, body = rec
+            kind = body.get("t")
+            if kind in _PATHS:
+                payload = json.dumps(body.get("body"))
+                outcome = self._deliver(target, kind, payload)
+                if outcome == RETRY:
+                    self._failed()
+                    return False
+                if outcome == DENIED:
+                    self._skip.add(f.path)  # our token cannot write that run
+                    return True
+                if outcome == DROP:
+                    r.errors += 1
+            f.advance(end)
+            rec = next(records, None)
+        f.remove()
+        return True
