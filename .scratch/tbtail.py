@@ -239,15 +239,15 @@ class TBTailer:
                 self._warn_once(f.rel, "proto", "%s: undecodable event at byte %d; skipping it",
                                 f.path, f.offset + pos)
                 continue
-            if not ev.HasField("summary"):
-                continue
+            values = ev.summary.value
+            if not values:
+                continue   # file_version, graph, session_log, ...
             step = ev.step
             ms = int(ev.wall_time * 1000)
-            for v in ev.summary.value:
-                kind = v.WhichOneof("value")
-                if kind == "simple_value":
+            for v in values:
+                if v.HasField("simple_value"):
                     append((prefix + v.tag, step, v.simple_value, ms))
-                elif kind == "tensor":
+                elif v.HasField("tensor"):
                     # TF2 writes the plugin metadata only with a tag's first value.
                     key = (prefix, v.tag)
                     if v.HasField("metadata"):
