@@ -371,6 +371,7 @@ def test_scalar_tensor_without_metadata_seen_is_read(tmp_path):
     offset = os.path.getsize(p)
     append(p, record(tensor_event(1, "loss", tensor_util.make_tensor_proto(np.float32(2.0)))))
     append(p, record(tensor_event(1, "img", tensor_util.make_tensor_proto(np.array([b"png", b"png"], dtype=object)))))
+    append(p, record(tensor_event(1, "weights", tensor_util.make_tensor_proto(np.ones((4, 3))))))
     t = TBTailer(tmp_path, offsets={os.path.basename(p): offset})
     assert keyed(t.poll()) == [("loss", 1, 2.0)]
 
