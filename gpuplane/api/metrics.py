@@ -1,0 +1,130 @@
+"""Metrics: ingest in the compact wire format, per-run summaries, downsampled series.
+
+Routes (docs/metrics.md):
+  POST /runs/<id>/metrics            {"keys": [...], "points": [[key_index, step, value, ts]]}
+  GET  /runs/<id>/metrics            per key: count, latest, best, direction, trend
+  GET  /runs/<id>/metrics/<key>      one key's series, at most max_points buckets
+  GET  /metrics/series?runs=1,2&key= the same key across runs, for comparisons
+Non-finite values are answered as the strings "NaN", "Infinity", "-Infinity".
+"""
+import json
+
+from flask import Blueprint, Response, current_app, request
+
+from ..auth import requires
+from ..db import metrics
+from ..errors import BadRequest, NotFound
+from .validate import query_int
+
+bp = Blueprint("metrics", __name__, url_prefix="/api/v1")
+
+DEFAULT_POINTS = 1000
+MAX_POINTS = 10_000
+MAX_RUNS = 50
+
+
+def _db():
+    return current_app.config["DB"]
+
+
+def _json(obj, status=200):
+    return Response(json.dumps(obj, separators=(",", ":"), allow_nan=False), status=status,
+                    mimetype="application/json")
+
+
+def _run_or_404(run_id):
+    if not metrics.run_exists(_db(), run_id):
+        raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
+
+
+def _key_or_404(run_id, key):
+    key_id = metrics.key_id(_db(), run_id, key)
+    if key_id is None:
+        names = metrics.key_names(_db(), run_id)
+        shown = ", ".join(names[:50]) + (f" and {len(names) - 50} more" if len(names) > 50 else "")
+        raise NotFound(f"run {run_id} has no metric {key!r}; "
+                       + (f"its metrics are: {shown}" if names else "it has no metrics yet"))
+    return key_id
+
+
+@bp.post("/runs/<int:run_id>/metrics")
+@requires("run")
+def ingest(run_id):
+    raw = request.get_data(cache=False)
+    if not raw:
+        raise BadRequest('the body is empty; send {"keys": [...], "points": [[key_index, '
+                         'step, value, ts], ...]}')
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the JSON is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(data, dict) or "keys" not in data or "points" not in data:
+        raise BadRequest('the body must be an object {"keys": [...], "points": '
+                         '[[key_index, step, value, ts], ...]}')
+    _run_or_404(run_id)
+    try:
+        n = metrics.ingest_batch(_db(), run_id, data["keys"], data["points"])
+    except metrics.BadBatch as e:
+        raise BadRequest(str(e)) from None
+    return _json({"accepted": n})
+
+
+@bp.get("/runs/<int:run_id>/metrics")
+@requires("read")
+def summary(run_id):
+    _run_or_404(run_id)
+    return _json({"run_id": run_id, "keys": metrics.summary(_db(), run_id)})
+
+
+def _range_args():
+    max_points = query_int("max_points", DEFAULT_POINTS, min=1, max=MAX_POINTS)
+    from_step = query_int("from_step", None, min=0)
+    to_step = query_int("to_step", None, min=0)
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise BadRequest("'from_step' must not be greater than 'to_step'")
+    return max_points, from_step, to_step
+
+
+@bp.get("/runs/<int:run_id>/metrics/<path:key>")
+@requires("read")
+def series(run_id, key):
+    max_points, from_step, to_step = _range_args()
+    _run_or_404(run_id)
+    key_id = _key_or_404(run_id, key)
+    level, points = metrics.series(_db(), key_id, max_points, from_step, to_step)
+    return _json({"key": key, "run_id": run_id, "level": level,
+                  "points": metrics.encode_points(points)})
+
+
+@bp.get("/metrics/series")
+@requires("read")
+def multi_series():
+    raw_runs = request.args.get("runs", "")
+    key = request.args.get("key")
+    if not key:
+        raise BadRequest("'key' is required, e.g. ?runs=1,2&key=train/loss")
+    try:
+        run_ids = [int(r) for r in raw_runs.split(",") if r.strip()]
+    except ValueError:
+        raise BadRequest(f"'runs' must be run ids separated by commas, e.g. runs=1,2,3; "
+                         f"got {raw_runs[:60]!r}") from None
+    if not run_ids:
+        raise BadRequest("'runs' is required: run ids separated by commas, e.g. runs=1,2,3")
+    if len(run_ids) > MAX_RUNS:
+        raise BadRequest(f"'runs' lists {len(run_ids)} runs; compare at most {MAX_RUNS}")
+    max_points, from_step, to_step = _range_args()
+    out, missing = [], []
+    for run_id in dict.fromkeys(run_ids):
+        _run_or_404(run_id)
+        key_id = metrics.key_id(_db(), run_id, key)
+        if key_id is None:
+            missing.append(run_id)
+            out.append({"run_id": run_id, "level": None, "points": [], "missing": True})
+            continue
+        level, points = metrics.series(_db(), key_id, max_points, from_step, to_step)
+        out.append({"run_id": run_id, "level": level, "points": metrics.encode_points(points)})
+    if len(missing) == len(out):
+        _key_or_404(out[0]["run_id"], key)
+    return _json({"key": key, "series": out})

@@ -1,0 +1,408 @@
+"""Metric ingest, rollups, downsampled series, summaries (a real SQLite file, Flask client)."""
+import json
+import math
+import tomllib
+
+import pytest
+
+from gpuplane.app import create_app
+from gpuplane.db import metrics, now_ms, tokens
+from gpuplane.rollup import Rollup
+
+TS = 1_764_403_200_000
+
+
+@pytest.fixture
+def app(tmp_path):
+    app = create_app(tmp_path, start_threads=False)
+    yield app
+
+
+@pytest.fixture
+def db(app):
+    return app.config["DB"]
+
+
+@pytest.fixture
+def client(app, tmp_path):
+    admin = tomllib.loads((tmp_path / "server.toml").read_text())["admin_token"]
+    c = app.test_client()
+    c.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {admin}"
+    return c
+
+
+def new_run(client, name="r"):
+    r = client.post("/api/v1/runs", json={"name": name, "project": "p", "source": "sdk"})
+    assert r.status_code == 201, r.get_data(as_text=True)
+    return r.get_json()["id"]
+
+
+def post(client, run_id, keys, points, expect=200, **kw):
+    r = client.post(f"/api/v1/runs/{run_id}/metrics",
+                    data=json.dumps({"keys": keys, "points": points}),
+                    content_type="application/json", **kw)
+    assert r.status_code == expect, r.get_data(as_text=True)
+    return r.get_json()
+
+
+def get(client, path, expect=200):
+    r = client.get(path)
+    assert r.status_code == expect, r.get_data(as_text=True)
+    return json.loads(r.get_data(as_text=True))   # strict: no NaN literals allowed below
+
+
+def count_points(db):
+    return db.query_one("SELECT count(*) FROM points")[0]
+
+
+def ingest_series(db, run_id, key, values, start=0, ts=TS):
+    with db.tx() as c:
+        metrics.ingest(c, run_id, [key], [[0, start + i, v, ts] for i, v in enumerate(values)])
+
+
+def test_roundtrip_raw(client):
+    run = new_run(client)
+    out = post(client, run, ["train/loss", "train/acc"],
+               [[0, 0, 2.0, TS], [1, 0, 0.1, TS], [0, 1, 1.5, TS + 1], [1, 1, 0.4, TS + 1]])
+    assert out == {"accepted": 4}
+    s = get(client, f"/api/v1/runs/{run}/metrics/train/loss")
+    assert s["key"] == "train/loss" and s["run_id"] == run and s["level"] == 1
+    assert s["points"] == [[0, 2.0, 2.0, 2.0, 2.0, 1], [1, 1.5, 1.5, 1.5, 1.5, 1]]
+    summary = get(client, f"/api/v1/runs/{run}/metrics")
+    by_key = {k["key"]: k for k in summary["keys"]}
+    assert set(by_key) == {"train/loss", "train/acc"}
+    assert by_key["train/acc"]["latest"] == {"step": 1, "value": 0.4, "ts": TS + 1}
+    assert by_key["train/acc"]["direction"] == "max"
+    assert by_key["train/loss"]["best"] == {"step": 1, "value": 1.5}
+
+
+def test_series_range_and_unknown(client):
+    run = new_run(client)
+    post(client, run, ["x"], [[0, s, float(s), TS] for s in range(100)])
+    s = get(client, f"/api/v1/runs/{run}/metrics/x?from_step=10&to_step=19")
+    assert [p[0] for p in s["points"]] == list(range(10, 20))
+    err = get(client, f"/api/v1/runs/{run}/metrics/nope", expect=404)
+    assert err["error"]["code"] == "NotFound" and "x" in err["error"]["message"]
+    assert get(client, "/api/v1/runs/999/metrics/x", expect=404)["error"]["code"] == "NotFound"
+    assert get(client, "/api/v1/runs/999/metrics", expect=404)["error"]["code"] == "NotFound"
+    get(client, f"/api/v1/runs/{run}/metrics/x?max_points=0", expect=400)
+    get(client, f"/api/v1/runs/{run}/metrics/x?max_points=10001", expect=400)
+    get(client, f"/api/v1/runs/{run}/metrics/x?from_step=5&to_step=1", expect=400)
+
+
+@pytest.mark.parametrize("rolled", [False, True])
+def test_downsampling_bounded_and_keeps_spike(client, db, rolled):
+    run = new_run(client)
+    values = [math.sin(i / 1000) for i in range(100_000)]
+    values[77_777] = 1e9
+    ingest_series(db, run, "loss", values)
+    if rolled:
+        metrics.roll_up(db)
+        assert db.query_one("SELECT count(*) FROM metric_dirty")[0] == 0
+    for max_points in (1000, 37, 5000):
+        s = get(client, f"/api/v1/runs/{run}/metrics/loss?max_points={max_points}")
+        pts = s["points"]
+        assert 0 < len(pts) <= max_points
+        assert len(pts) >= max_points // 4
+        assert s["level"] > 1
+        assert max(p[2] for p in pts) == 1e9
+        assert sum(p[5] for p in pts) == 100_000
+        spike = next(p for p in pts if p[2] == 1e9)
+        assert spike[0] <= 77_777 < spike[0] + s["level"]
+        assert [p[0] for p in pts] == sorted(p[0] for p in pts)
+    # A narrow range reads raw points.
+    s = get(client, f"/api/v1/runs/{run}/metrics/loss?from_step=77770&to_step=77790")
+    assert s["level"] == 1 and len(s["points"]) == 21
+    assert s["points"][7] == [77_777, 1e9, 1e9, 1e9, 1e9, 1]
+
+
+def test_rolled_series_matches_raw_aggregation(client, db):
+    run = new_run(client)
+    values = [(i * 7919) % 1000 / 10 for i in range(20_000)]
+    ingest_series(db, run, "m", values)
+    before = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=300")
+    metrics.roll_up(db)
+    after = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=300")
+    assert after["level"] == before["level"]
+    assert len(after["points"]) == len(before["points"])
+    for x, y in zip(after["points"], before["points"]):
+        assert x == pytest.approx(y)
+    # Every bucket agrees with a direct computation over the raw values.
+    w = after["level"]
+    for step, mn, mx, mean, last, n in after["points"]:
+        chunk = values[step:step // w * w + w]
+        assert (mn, mx, last, n) == (min(chunk), max(chunk), chunk[-1], len(chunk))
+        assert mean == pytest.approx(sum(chunk) / len(chunk))
+
+
+def test_tail_not_yet_rolled_is_read_raw(client, db):
+    run = new_run(client)
+    ingest_series(db, run, "m", [1.0] * 50_000)
+    metrics.roll_up(db)
+    ingest_series(db, run, "m", [5.0] * 10_000, start=50_000)   # not rolled up yet
+    s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=100")
+    assert sum(p[5] for p in s["points"]) == 60_000
+    assert s["points"][-1][4] == 5.0
+    summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert summary["count"] == 60_000 and summary["last_step"] == 59_999
+
+
+def test_idempotent_reingest(client, db):
+    run = new_run(client)
+    pts = [[0, s, s * 0.5, TS] for s in range(1000)] + [[1, s, 1.0, TS] for s in range(10)]
+    post(client, run, ["a", "b"], pts)
+    assert count_points(db) == 1010
+    post(client, run, ["a", "b"], pts)
+    post(client, run, ["b", "a"], [[1 - k, s, v, t] for k, s, v, t in pts])
+    assert count_points(db) == 1010
+    assert db.query_one("SELECT count(*) FROM metric_keys")[0] == 2
+
+
+def test_out_of_order_and_replaced_points_reach_rollups(client, db):
+    run = new_run(client)
+    post(client, run, ["m"], [[0, s, 1.0, TS] for s in range(0, 4000, 2)])
+    metrics.roll_up(db)
+    # Odd steps arrive late, and one old point is replaced by a spike.
+    post(client, run, ["m"], [[0, s, 2.0, TS] for s in range(3999, 0, -2)])
+    post(client, run, ["m"], [[0, 1234, -50.0, TS]])
+    metrics.roll_up(db)
+    s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=10")
+    assert sum(p[5] for p in s["points"]) == 4000
+    assert min(p[1] for p in s["points"]) == -50.0
+    assert max(p[2] for p in s["points"]) == 2.0
+    top = db.query("SELECT count, min FROM rollups r JOIN metric_rollup m USING (key_id)"
+                   " WHERE r.width = m.top_width")
+    assert sum(r[0] for r in top) == 4000 and min(r[1] for r in top) == -50.0
+    # The replaced point's level-4 bucket was recomputed.
+    b = db.query_one("SELECT min, max, count, last FROM rollups WHERE width = 4 AND bucket = ?",
+                     (1234 // 4,))
+    assert tuple(b) == (-50.0, 2.0, 4, 2.0)
+    summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert summary["best"] == {"step": 1234, "value": -50.0}
+
+
+def test_new_coarse_level_covers_history(client, db):
+    run = new_run(client)
+    post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100)])
+    metrics.roll_up(db)
+    post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100_000, 100_050)])
+    metrics.roll_up(db)
+    top = db.query_one("SELECT top_width FROM metric_rollup")[0]
+    assert top > 100_050
+    row = db.query_one("SELECT count, min, max FROM rollups WHERE width = ?", (top,))
+    assert tuple(row) == (150, 0.0, 100_049.0)
+
+
+def test_retention_prunes_raw_and_keeps_rollups(client, db, app):
+    run = new_run(client)
+    recent = now_ms()
+    old = recent - 30 * 86_400_000
+    values = [float(i % 100) for i in range(10_000)]
+    with db.tx() as c:
+        metrics.ingest(c, run, ["m"], [[0, i, v, old] for i, v in enumerate(values)])
+        metrics.ingest(c, run, ["m"], [[0, 10_000 + i, 7.0, recent] for i in range(100)])
+    rollup = Rollup(db, {"raw_retention_days": 7})
+    before = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=50")
+    rollup.tick()
+    assert count_points(db) == 100           # only the recent points are raw now
+    after = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=50")
+    assert sum(p[5] for p in after["points"]) == 10_100
+    assert after["points"] == before["points"]
+    summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert summary["count"] == 10_100 and summary["first_step"] == 0
+    assert summary["best"]["value"] == 0.0
+    # A narrow old range can no longer be raw: it comes from the finest level.
+    s = get(client, f"/api/v1/runs/{run}/metrics/m?from_step=0&to_step=40")
+    assert s["level"] == 4 and s["points"][0][1:4] == [0.0, 3.0, 1.5]
+    # Keep-forever is the default.
+    assert Rollup(db, {}).prune(now=recent * 2) == 0
+    assert Rollup(db, {"raw_retention_days": 0}).prune(now=recent * 2) == 0
+    assert count_points(db) == 100
+
+
+def test_nan_and_infinities_roundtrip(client, db):
+    run = new_run(client)
+    body = ('{"keys": ["m"], "points": [[0, 0, NaN, 1], [0, 1, "NaN", 1], [0, 2, Infinity, 1],'
+            ' [0, 3, "-Infinity", 1], [0, 4, 1.5, 1]]}')
+    r = client.post(f"/api/v1/runs/{run}/metrics", data=body, content_type="application/json")
+    assert r.status_code == 200 and r.get_json() == {"accepted": 5}
+    s = get(client, f"/api/v1/runs/{run}/metrics/m")
+    assert [p[1] for p in s["points"]] == ["NaN", "NaN", "Infinity", "-Infinity", 1.5]
+    metrics.roll_up(db)
+    bucket = db.query_one("SELECT min, max, count, vcount, last FROM rollups"
+                          " WHERE width = 4 AND bucket = 0")
+    assert tuple(bucket) == (-math.inf, math.inf, 4, 2, -math.inf)
+    only_nan = db.query_one("SELECT min, last FROM rollups WHERE width = 4 AND bucket = 1")
+    assert tuple(only_nan) == (1.5, 1.5)
+    summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert summary["latest"]["value"] == 1.5
+    post(client, run, ["m"], [[0, 5, float("nan"), 1]])
+    summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert summary["latest"]["value"] == "NaN"
+
+
+def test_all_nan_bucket_reads_nan(client, db):
+    run = new_run(client)
+    post(client, run, ["m"], [[0, s, "NaN", 1] for s in range(8)] + [[0, 8, 3.0, 1]])
+    metrics.roll_up(db)
+    s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=2")
+    assert s["level"] == 8 and s["points"][0] == [0, "NaN", "NaN", "NaN", "NaN", 8]
+    assert s["points"][1] == [8, 3.0, 3.0, 3.0, 3.0, 1]
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"keys": "loss", "points": []}, "'keys' must be a list"),
+    ({"keys": [1], "points": []}, "must be strings"),
+    ({"keys": ["a"] * 2, "points": []}, "twice"),
+    ({"keys": [f"k{i}" for i in range(10_001)], "points": []}, "at most 10000"),
+    ({"keys": ["a"], "points": {"0": 1}}, "'points' must be a list"),
+    ({"keys": ["a"], "points": [[0, 1, 2.0]]}, "4 items"),
+    ({"keys": ["a"], "points": [[0, 1, 2.0, 1, 5]]}, "4 items"),
+    ({"keys": ["a"], "points": [{"k": 0, "s": 1, "v": 2, "t": 3}]}, "must be a list"),
+    ({"keys": ["a"], "points": [[1, 1, 2.0, 1]]}, "out of range"),
+    ({"keys": ["a"], "points": [[-1, 1, 2.0, 1]]}, "out of range"),
+    ({"keys": ["a"], "points": [["a", 1, 2.0, 1]]}, "key_index must be an integer"),
+    ({"keys": ["a"], "points": [[True, 1, 2.0, 1]]}, "key_index must be an integer"),
+    ({"keys": ["a"], "points": [[0, -1, 2.0, 1]]}, "step must be an integer from 0"),
+    ({"keys": ["a"], "points": [[0, 1.5, 2.0, 1]]}, "step must be an integer"),
+    ({"keys": ["a"], "points": [[0, 2**64, 2.0, 1]]}, "step must be an integer from 0"),
+    ({"keys": ["a"], "points": [[0, 1, "high", 1]]}, "\"NaN\""),
+    ({"keys": ["a"], "points": [[0, 1, None, 1]]}, "value must be a number"),
+    ({"keys": ["a"], "points": [[0, 1, 2.0, "now"]]}, "ts must be an integer"),
+    ({"points": []}, "the body must be an object"),
+    ([1, 2], "the body must be an object"),
+])
+def test_validation_errors(client, db, body, fragment):
+    run = new_run(client)
+    r = client.post(f"/api/v1/runs/{run}/metrics", json=body)
+    assert r.status_code == 400, r.get_data(as_text=True)
+    err = r.get_json()["error"]
+    assert err["code"] == "BadRequest" and fragment in err["message"], err
+    assert count_points(db) == 0
+
+
+def test_bad_json_and_empty_body(client):
+    run = new_run(client)
+    for data in (b"", b"{nope", b"\xff\xfe"):
+        r = client.post(f"/api/v1/runs/{run}/metrics", data=data,
+                        content_type="application/json")
+        assert r.status_code == 400 and r.get_json()["error"]["code"] == "BadRequest"
+
+
+def test_batch_is_all_or_nothing(client, db):
+    run = new_run(client)
+    post(client, run, ["a"], [[0, 0, 1.0, 1]] * 5 + [[0, 1, "bad", 1]], expect=400)
+    assert count_points(db) == 0
+
+
+def test_tokens_and_unknown_run(client, db):
+    run_a, run_b = new_run(client, "a"), new_run(client, "b")
+    _, ingest_a = tokens.create(db, "run a", "ingest", run_id=run_a)
+    _, read = tokens.create(db, "reader", "read")
+    as_a = {"headers": {"Authorization": f"Bearer {ingest_a}"}}
+    post(client, run_a, ["m"], [[0, 0, 1.0, 1]], **as_a)
+    err = post(client, run_b, ["m"], [[0, 0, 1.0, 1]], expect=403, **as_a)
+    assert err["error"]["code"] == "ForbiddenRun"
+    err = post(client, run_a, ["m"], [[0, 1, 1.0, 1]], expect=403,
+               headers={"Authorization": f"Bearer {read}"})
+    assert err["error"]["code"] == "WriteScopeError"
+    post(client, run_a, ["m"], [[0, 1, 1.0, 1]], expect=401, headers={"Authorization": ""})
+    # The ingest token reads its own run and nothing else.
+    r = client.get(f"/api/v1/runs/{run_a}/metrics/m", headers=as_a["headers"])
+    assert r.status_code == 200
+    r = client.get(f"/api/v1/runs/{run_b}/metrics", headers=as_a["headers"])
+    assert r.status_code == 403
+    assert count_points(db) == 1
+    err = post(client, 4242, ["m"], [[0, 0, 1.0, 1]], expect=404)
+    assert "4242" in err["error"]["message"]
+
+
+def test_summary_best_latest_trend(client, db):
+    run = new_run(client)
+    n = 5000
+    ingest_series(db, run, "train/loss", [10.0 / (1 + i / 100) for i in range(n)])
+    ingest_series(db, run, "val/acc", [0.9 - i / n / 2 for i in range(n)])
+    ingest_series(db, run, "lr", [0.1] * n)
+    ingest_series(db, run, "one", [1.0])
+    metrics.roll_up(db)
+    ingest_series(db, run, "train/loss", [0.001], start=n)   # the best, still raw
+    keys = {k["key"]: k for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]}
+    loss = keys["train/loss"]
+    assert loss["direction"] == "min" and loss["trend"] == "improving"
+    assert loss["best"] == {"step": n, "value": 0.001}
+    assert loss["latest"]["step"] == n and loss["count"] == n + 1
+    assert (loss["first_step"], loss["last_step"]) == (0, n)
+    acc = keys["val/acc"]
+    assert acc["direction"] == "max" and acc["trend"] == "worsening"
+    assert acc["best"] == {"step": 0, "value": 0.9}
+    assert keys["lr"]["trend"] == "flat"
+    assert keys["one"]["trend"] == "unknown" and keys["one"]["count"] == 1
+
+
+def test_best_step_found_through_levels(client, db):
+    run = new_run(client)
+    values = [1.0] * 300_000
+    values[123_457] = 0.5
+    ingest_series(db, run, "loss", values)
+    metrics.roll_up(db)
+    k = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
+    assert k["best"] == {"step": 123_457, "value": 0.5}
+    assert k["count"] == 300_000
+
+
+@pytest.mark.parametrize("key,want", [
+    ("train/loss", "min"), ("val_acc", "max"), ("eval/accuracy_top1", "max"),
+    ("reward/mean", "max"), ("perplexity", "min"), ("step_time", "min"), ("lr", "min"),
+    ("val/wer", "min"), ("f1", "max"),
+])
+def test_direction(key, want):
+    assert metrics.direction(key) == want
+
+
+def test_multi_run_series(client):
+    a, b, c = new_run(client, "a"), new_run(client, "b"), new_run(client, "c")
+    post(client, a, ["train/loss"], [[0, s, 1.0, TS] for s in range(50)])
+    post(client, b, ["train/loss"], [[0, s, 2.0, TS] for s in range(5000)])
+    post(client, c, ["other"], [[0, 0, 1.0, TS]])
+    s = get(client, f"/api/v1/metrics/series?runs={a},{b},{c}&key=train/loss&max_points=100")
+    by_run = {x["run_id"]: x for x in s["series"]}
+    assert len(by_run[a]["points"]) == 50 and by_run[a]["level"] == 1
+    assert 0 < len(by_run[b]["points"]) <= 100 and by_run[b]["points"][0][1] == 2.0
+    assert by_run[c]["missing"] is True and by_run[c]["points"] == []
+    err = get(client, f"/api/v1/metrics/series?runs={c}&key=train/loss", expect=404)
+    assert "other" in err["error"]["message"]
+    get(client, f"/api/v1/metrics/series?runs={a},999&key=train/loss", expect=404)
+    get(client, "/api/v1/metrics/series?runs=x&key=train/loss", expect=400)
+    get(client, f"/api/v1/metrics/series?runs={a}", expect=400)
+
+
+def test_gateway_style_ingest_inside_outer_transaction(db, client):
+    run = new_run(client)
+    with pytest.raises(RuntimeError):
+        with db.tx() as c:
+            metrics.ingest(c, run, ["fresh"], [[0, 0, 1.0, 1]])
+            raise RuntimeError("the batch failed")
+    assert db.query_one("SELECT count(*) FROM metric_keys")[0] == 0
+    post(client, run, ["fresh"], [[0, 0, 1.0, 1]])
+    assert db.query_one("SELECT count(*) FROM points p JOIN metric_keys k ON k.id = p.key_id"
+                        " WHERE k.key = 'fresh'")[0] == 1
+
+
+def test_rollup_thread_survives_a_failing_tick(db, monkeypatch):
+    from conftest import wait_for
+    calls = []
+
+    def flaky(db_, stop=None):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(metrics, "roll_up", flaky)
+    r = Rollup(db, {})
+    r.interval = 0.01
+    r.start()
+    try:
+        wait_for(lambda: len(calls) >= 3, 10, what="ticks after a failure")
+    finally:
+        r.stop()
+    assert not r._thread.is_alive()
