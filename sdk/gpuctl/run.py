@@ -331,7 +331,7 @@ def summary():
         out["dropped"] = r.dropped + (r.sender.pending_drops() if r.sender else 0)
         if sp is not None and (r.mode == "local" or sp.has_data()) and not sp.failed:
             out["spool"] = sp.path
-        out["errors"] = r.errors + (sp.memory_drops if sp else 0)
+        out["errors"] = r.errors + (sp.errors + sp.memory_drops if sp else 0)
     except Exception:
         _error()
     out["errors"] = max(out["errors"], r.errors)

@@ -85,6 +85,7 @@ class OwnSpool:
         self.pending = collections.deque()  # (end_offset, kind, payload, n_points)
         self.unacked_points = 0
         self.failed = False
+        self.errors = 0  # writes that failed: each one is a record living only in memory
         self.memory_drops = 0
         self._fd = None
         self._size = 0
@@ -132,6 +133,7 @@ class OwnSpool:
             except OSError:
                 self.failed = True
                 self.close()
+        self.errors += 1
         if len(self.pending) >= MEMORY_MAX_RECORDS:
             _, _, _, n = self.pending.popleft()
             self.unacked_points -= n

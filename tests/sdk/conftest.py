@@ -159,11 +159,6 @@ class IngestServer:
         with self.lock:
             return [(p, json.loads(b)) for p, _, b in self.requests if p.endswith(suffix)]
 
-    def good_posts(self, suffix):
-        # a request counts as received when the server was good at the time; approximated
-        # by the body being applied: for checkpoints/events, count requests in good mode
-        return self.posts(suffix)
-
     def close(self):
         self.release.set()
         self.httpd.shutdown()
