@@ -466,3 +466,32 @@ def test_slow_up_example_exit_when_done(tmp_path):
     url = proc.stdout.split("GPUPlane is up at ")[1].split()[0]
     with pytest.raises(client.ServerUnreachable):
         client.Client(url, "-").health()
+
+
+def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
+    home = tmp_path / "home"
+    out_path = tmp_path / "up.out"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port",
+             str(free_port()), "--fake-gpus", "1", "--name", "upnode"],
+            env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait("`up` to be ready", lambda: proc.poll() is not None
+              or "Press Ctrl-C" in out_path.read_text(), 60)
+        assert proc.poll() is None, out_path.read_text()
+        text = out_path.read_text()
+        url = text.split("GPUPlane is up at ")[1].split()[0]
+        assert "node upnode: 1 GPU (fake)" in text
+        token = config.load_server_config(home)["admin_token"]
+        nodes = client.Client(url, token).nodes()
+        assert [(n["name"], n["state"]) for n in nodes] == [("upnode", "connected")]
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(client.ServerUnreachable):
+        client.Client(url, "-").health()
+    assert (home / "logs" / "server.log").exists() and (home / "logs" / "agent.log").exists()
