@@ -115,7 +115,9 @@ class TBTailer:
         if now >= self._next_scan:
             self._scan()
             # A huge tree must not turn the agent into a full-time directory walker.
-            self._next_scan = time.monotonic() + max(self.rescan_s, 10 * (time.monotonic() - now))
+            # (rescan_s=0 means every poll, for tests.)
+            took = time.monotonic() - now
+            self._next_scan = now + took + max(self.rescan_s, 10 * took) if self.rescan_s else 0.0
         points = []
         for rel in sorted(self._files):
             f = self._files[rel]

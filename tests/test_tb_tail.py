@@ -395,3 +395,12 @@ def test_pure_python_crc_fallback_reads_the_same(monkeypatch, tmp_path):
     fast = TBTailer(tmp_path).poll()
     monkeypatch.setattr(tb, "_crc32c", crc32c)
     assert TBTailer(tmp_path).poll() == fast and len(fast) == 30
+
+
+def test_directory_tree_is_rescanned_only_every_rescan_s(tmp_path):
+    t = TBTailer(tmp_path, rescan_s=3600)
+    assert t.poll() == []
+    append(new_event_file(tmp_path / "late"), record(event(0, loss=1.0)))
+    assert t.poll() == []          # growing files are read each poll; the tree is walked rarely
+    t._next_scan = 0.0             # as if rescan_s had passed
+    assert keyed(t.poll()) == [("late/loss", 0, 1.0)]
