@@ -378,7 +378,7 @@ def test_scalar_tensor_without_metadata_seen_is_read(tmp_path):
 
 # -- files from other writers (see tests/data/tb/make_fixtures.py) --
 
-@pytest.mark.parametrize("writer", ["torch", "torch_new_style", "tensorboardx"])
+@pytest.mark.parametrize("writer", ["torch", "torch_new_style", "tensorboardx", "tf2"])
 def test_fixture_from_other_writers(tmp_path, writer):
     shutil.copytree(FIXTURES / writer, tmp_path / writer)
     got = TBTailer(tmp_path).poll()
@@ -389,12 +389,26 @@ def test_fixture_from_other_writers(tmp_path, writer):
     assert got == loader_points(f, f"{writer}/")
 
 
+def test_fixture_from_keras_callback(tmp_path):
+    shutil.copytree(FIXTURES / "keras", tmp_path / "logs")
+    got = TBTailer(tmp_path).poll()
+    assert {k for k, *_ in got} == {"logs/train/epoch_loss", "logs/train/epoch_learning_rate",
+                                    "logs/validation/epoch_loss",
+                                    "logs/validation/evaluation_loss_vs_iterations"}
+    assert sorted(s for k, s, *_ in got if k == "logs/validation/epoch_loss") == [0, 1, 2]
+    expected = []
+    for run in ("train", "validation"):
+        [f] = (tmp_path / "logs" / run).iterdir()
+        expected += loader_points(f, f"logs/{run}/")
+    assert sorted(got) == sorted(expected)
+
+
 def test_pure_python_crc_fallback_reads_the_same(monkeypatch, tmp_path):
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c
     shutil.copytree(FIXTURES, tmp_path / "tb", ignore=shutil.ignore_patterns("*.py"))
     fast = TBTailer(tmp_path).poll()
     monkeypatch.setattr(tb, "_crc32c", crc32c)
-    assert TBTailer(tmp_path).poll() == fast and len(fast) == 30
+    assert TBTailer(tmp_path).poll() == fast and len(fast) == 52
 
 
 def test_directory_tree_is_rescanned_only_every_rescan_s(tmp_path):
