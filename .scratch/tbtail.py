@@ -5,6 +5,7 @@ instead of tensorboard's pure-Python loop; decodes with tensorboard's own protos
 See docs/tensorboard.md.
 """
 import logging
+import math
 import os
 import re
 import struct
@@ -203,6 +204,7 @@ class TBTailer:
         prefix = f.prefix
         plugins = self._plugins
         append = points.append
+        isfinite = math.isfinite
         while True:
             if pos + 12 > n:
                 return pos, 12
@@ -244,8 +246,14 @@ class TBTailer:
             values = ev.summary.value
             if not values:
                 continue   # file_version, graph, session_log, ...
+            wall_time = ev.wall_time
+            if not isfinite(wall_time):
+                # TensorBoard drops these too; int() of it would raise.
+                self._warn_once(f.rel, "time", "%s: event with wall_time %s at byte %d; skipping it",
+                                f.path, wall_time, f.offset + pos)
+                continue
             step = ev.step
-            ms = int(ev.wall_time * 1000)
+            ms = int(wall_time * 1000)
             for v in values:
                 if v.HasField("simple_value"):
                     append((prefix + v.tag, step, v.simple_value, ms))

@@ -294,6 +294,21 @@ def test_valid_crc_but_not_an_event_is_skipped(tmp_path):
     assert t.corrupt_records == 1
 
 
+def test_event_with_nan_wall_time_is_skipped(tmp_path):
+    p = new_event_file(tmp_path)
+    append(p, record(event(0, wall_time=float("nan"), loss=1.0))
+           + record(event(1, wall_time=float("inf"), loss=2.0)) + record(event(2, loss=3.0)))
+    assert keyed(TBTailer(tmp_path).poll()) == [("loss", 2, 3.0)]
+
+
+def test_nan_values_are_passed_on(tmp_path):
+    # A diverging loss is worth seeing; what to do with it is the protocol's business.
+    p = new_event_file(tmp_path)
+    append(p, record(event(0, loss=float("nan"))))
+    [(key, step, value, _)] = TBTailer(tmp_path).poll()
+    assert (key, step) == ("loss", 0) and value != value
+
+
 def test_oversized_records_are_skipped_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(tb, "_TB_HUGE_RECORD", 100)
     p = new_event_file(tmp_path)
