@@ -89,15 +89,20 @@ class _TBFile:
 class TBTailer:
     """Follows every `*tfevents*` file under root_dir and returns new scalar points.
 
-    poll() -> [(key, step, value, wall_time_ms)], each point once, in file order.
+    poll() -> [(key, step, value, wall_time_ms)], each point once, in file order; about
+    max_points at most (the rest comes with the next polls).
     offsets: {path relative to root_dir: end of the last record consumed}; pass it back
     after a restart to carry on exactly where the last poll stopped.
     """
 
-    def __init__(self, root_dir, started_after_ts=None, offsets=None, *, rescan_s=3.0):
+    def __init__(self, root_dir, started_after_ts=None, offsets=None, *, rescan_s=3.0,
+                 max_points=200_000):
         self.root = os.path.abspath(root_dir)
         self.started_after_ts = started_after_ts
         self.rescan_s = rescan_s
+        # A long backlog (restart, or a big file from an earlier attempt of the same run) is
+        # handed out over several polls rather than all in memory at once.
+        self.max_points = max_points
         self._files = {}           # rel -> _TBFile
         self._resume = {str(k): int(v) for k, v in (offsets or {}).items()}
         self._plugins = {}         # (run prefix, tag) -> plugin name, from the first metadata seen
@@ -121,6 +126,8 @@ class TBTailer:
             self._next_scan = now + took + max(self.rescan_s, 10 * took) if self.rescan_s else 0.0
         points = []
         for rel in sorted(self._files):
+            if len(points) >= self.max_points:
+                break
             f = self._files[rel]
             try:
                 self._read(f, points)
@@ -188,6 +195,8 @@ class TBTailer:
                     continue
                 if len(buf) < want or need == 0:
                     return   # end of file, or stopped at a bad length CRC
+                if len(points) >= self.max_points:
+                    return   # (checked per chunk: the per-record loop stays lean)
                 want = max(_TB_CHUNK, need)
 
     def _parse(self, f, buf, points):

@@ -144,6 +144,21 @@ def test_records_spanning_read_chunks(tmp_path, monkeypatch):
     assert keyed(TBTailer(tmp_path).poll()) == expected
 
 
+def test_long_backlog_comes_over_several_polls(tmp_path, monkeypatch):
+    monkeypatch.setattr(tb, "_TB_CHUNK", 500)
+    p = new_event_file(tmp_path / "a")
+    append(p, b"".join(record(event(s, loss=s)) for s in range(1000)))
+    q = new_event_file(tmp_path / "b")
+    append(q, b"".join(record(event(s, acc=s)) for s in range(10)))
+    t = TBTailer(tmp_path, max_points=100)
+    sizes, got = [], []
+    while batch := t.poll():
+        sizes.append(len(batch))
+        got += keyed(batch)
+    assert len(sizes) > 5 and max(sizes) < 130
+    assert got == [("a/loss", s, s) for s in range(1000)] + [("b/acc", s, s) for s in range(10)]
+
+
 def test_new_file_in_subdirectory_mid_run(tmp_path):
     p = new_event_file(tmp_path)
     append(p, record(event(0, loss=1.0)))
