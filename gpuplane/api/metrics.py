@@ -8,6 +8,7 @@ Routes (docs/metrics.md):
 Non-finite values are answered as the strings "NaN", "Infinity", "-Infinity".
 """
 import json
+import threading
 
 from flask import Blueprint, Response, current_app, request
 
@@ -21,6 +22,12 @@ bp = Blueprint("metrics", __name__, url_prefix="/api/v1")
 DEFAULT_POINTS = 1000
 MAX_POINTS = 10_000
 MAX_RUNS = 50
+
+# One ingest at a time does its CPU work (parse, check, insert). SQLite releases the GIL
+# on every row of an executemany; with other threads parsing JSON meanwhile, each row
+# would wait for the GIL again (the convoy effect), slowing the insert many times over.
+# Writes are serialised by SQLite anyway, so nothing is lost by queueing here.
+_ingest_lock = threading.Lock()
 
 
 def _db():
@@ -54,20 +61,21 @@ def ingest(run_id):
     if not raw:
         raise BadRequest('the body is empty; send {"keys": [...], "points": [[key_index, '
                          'step, value, ts], ...]}')
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise BadRequest("the JSON is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(data, dict) or "keys" not in data or "points" not in data:
-        raise BadRequest('the body must be an object {"keys": [...], "points": '
-                         '[[key_index, step, value, ts], ...]}')
     _run_or_404(run_id)
-    try:
-        n = metrics.ingest_batch(_db(), run_id, data["keys"], data["points"])
-    except metrics.BadBatch as e:
-        raise BadRequest(str(e)) from None
+    with _ingest_lock:
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("the JSON is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
+        if not isinstance(data, dict) or "keys" not in data or "points" not in data:
+            raise BadRequest('the body must be an object {"keys": [...], "points": '
+                             '[[key_index, step, value, ts], ...]}')
+        try:
+            n = metrics.ingest_batch(_db(), run_id, data["keys"], data["points"])
+        except metrics.BadBatch as e:
+            raise BadRequest(str(e)) from None
     return _json({"accepted": n})
 
 

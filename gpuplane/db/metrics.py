@@ -56,9 +56,13 @@ def parse_batch(keys, points):
         raise BadBatch("'keys' has a name twice; list each metric name once")
     if not points:
         return (), (), (), ()
-    if not set(map(type, points)) <= {list}:
-        raise BadBatch("each point must be a list [key_index, step, value, ts]")
-    if set(map(len, points)) != {4}:
+    # No per-point type check of the points themselves: JSON has no other sequence, a
+    # string or object of length 4 fails the column type checks below.
+    try:
+        lengths = set(map(len, points))
+    except TypeError:
+        raise BadBatch("each point must be a list [key_index, step, value, ts]") from None
+    if lengths != {4}:
         raise BadBatch("each point must have 4 items: [key_index, step, value, ts]")
     kidx, steps, values, ts = zip(*points)
     if not set(map(type, kidx)) <= {int}:

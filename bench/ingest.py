@@ -1,0 +1,226 @@
+"""Metric ingest throughput: SDK-like client processes -> real gunicorn server -> SQLite.
+
+Starts `gpuplane.server.serve` (one gthread worker, as in production) on a free port in a
+temp home, registers one run per client, and has several client PROCESSES post batches
+of 1000 points in the compact wire format as fast as they can. Reports the points stored
+per second (rows counted in the database afterwards) beside the ceiling: a bare
+`executemany` of the same rows into the same `points` schema on a temp file, in the same
+run. Medians over --trials.
+
+    .venv/bin/python bench/ingest.py [--clients 3] [--seconds 5] [--trials 3]
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+import requests
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BATCH = 1000
+KEYS = ["train/loss", "train/acc", "train/lr", "train/grad_norm"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(home, port, threads):
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "server.toml").write_text(f'host = "127.0.0.1"\nport = {port}\nthreads = {threads}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from gpuplane.server import serve; "
+         "serve(sys.argv[1], log_level='warning')", str(home)],
+        cwd=ROOT, env=env, stdout=open(home / "server.log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit("server exited:\n" + (home / "server.log").read_text()[-3000:])
+        try:
+            if requests.get(url + "/api/v1/health", timeout=1).ok:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    else:
+        sys.exit("server did not come up")
+    token = tomllib.loads((home / "server.toml").read_text())["admin_token"]
+    return proc, url, token
+
+
+def stop_server(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def client(url, token, run_id, start_at, seconds, step0, result):
+    """One SDK-like process: build each batch, serialise it, POST it, repeat."""
+    session = requests.Session()
+    session.headers.update({"Authorization": f"Bearer {token}",
+                            "Content-Type": "application/json"})
+    per_key = BATCH // len(KEYS)
+    step = step0
+    sent = 0
+    while time.time() < start_at:
+        time.sleep(0.001)
+    end = start_at + seconds
+    while time.time() < end:
+        ts = int(time.time() * 1000)
+        points = [[k, s, 1.0 / (1 + s) + k, ts]
+                  for s in range(step, step + per_key) for k in range(len(KEYS))]
+        body = json.dumps({"keys": KEYS, "points": points})
+        r = session.post(f"{url}/api/v1/runs/{run_id}/metrics", data=body, timeout=60)
+        if r.status_code != 200:
+            result.put(("error", r.status_code, r.text[:300]))
+            return
+        sent += r.json()["accepted"]
+        step += per_key
+    result.put(("ok", sent, time.time() - start_at))
+
+
+def worker_pid(master):
+    """The gunicorn worker: the master's only child."""
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == master:
+                return int(entry.name)
+    return None
+
+
+def cpu_seconds(pid):
+    """User + system CPU time of a process (all its threads)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ingest_trial(url, token, db_path, clients, seconds, worker):
+    runs = []
+    for i in range(clients):
+        r = requests.post(f"{url}/api/v1/runs", json={"name": f"bench-{i}", "source": "sdk"},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        r.raise_for_status()
+        runs.append(r.json()["id"])
+    before = count_points(db_path)
+    cpu0 = cpu_seconds(worker)
+    result = mp.Queue()
+    start_at = time.time() + 1.0
+    procs = [mp.Process(target=client, args=(url, token, run_id, start_at, seconds, 0, result))
+             for run_id in runs]
+    for p in procs:
+        p.start()
+    outs = [result.get(timeout=seconds + 120) for _ in procs]
+    cpu = cpu_seconds(worker) - cpu0
+    for p in procs:
+        p.join(30)
+    errors = [o for o in outs if o[0] == "error"]
+    if errors:
+        sys.exit(f"a client got an error: {errors[0]}")
+    elapsed = max(o[2] for o in outs)
+    stored = count_points(db_path) - before
+    sent = sum(o[1] for o in outs)
+    return stored / elapsed, stored, sent, stored / cpu
+
+
+def count_points(db_path):
+    conn = sqlite3.connect(db_path, timeout=60)
+    try:
+        return conn.execute("SELECT count(*) FROM points").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def ceiling(tmpdir, seconds):
+    """Bare executemany of the same rows into the same table, batches of 1000, WAL."""
+    path = pathlib.Path(tmpdir) / f"ceiling-{time.monotonic_ns()}.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("CREATE TABLE points (key_id INTEGER NOT NULL, step INTEGER NOT NULL,"
+                 " value REAL, ts INTEGER NOT NULL, PRIMARY KEY (key_id, step)) WITHOUT ROWID")
+    per_key = BATCH // len(KEYS)
+    step, n = 0, 0
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    while time.perf_counter() - t0 < seconds:
+        ts = int(time.time() * 1000)
+        rows = [(k + 1, s, 1.0 / (1 + s) + k, ts)
+                for s in range(step, step + per_key) for k in range(len(KEYS))]
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("INSERT OR REPLACE INTO points VALUES (?,?,?,?)", rows)
+        conn.execute("COMMIT")
+        step += per_key
+        n += len(rows)
+    rate = n / (time.perf_counter() - t0)
+    per_cpu = n / (time.process_time() - c0)
+    conn.close()
+    return rate, per_cpu
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=5)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=16)
+    args = ap.parse_args()
+    mp.set_start_method("spawn")
+    with tempfile.TemporaryDirectory(prefix="gpuplane-bench-") as tmp:
+        home = pathlib.Path(tmp) / "home"
+        proc, url, token = start_server(home, free_port(), args.threads)
+        db_path = home / "server" / "gpuctl.db"
+        worker = worker_pid(proc.pid)
+        rates, ceilings, cpu_rates, cpu_ceilings = [], [], [], []
+        try:
+            for t in range(args.trials):
+                rate, stored, sent, per_cpu = ingest_trial(url, token, db_path, args.clients,
+                                                           args.seconds, worker)
+                ceil, ceil_cpu = ceiling(tmp, min(args.seconds, 3))
+                rates.append(rate)
+                ceilings.append(ceil)
+                cpu_rates.append(per_cpu)
+                cpu_ceilings.append(ceil_cpu)
+                print(f"trial {t + 1}: {rate:>10,.0f} points/s stored ({stored:,} rows, "
+                      f"{sent:,} accepted; {per_cpu:,.0f} per server CPU-second)   "
+                      f"ceiling {ceil:>10,.0f} rows/s ({ceil_cpu:,.0f} per CPU-second)",
+                      flush=True)
+        finally:
+            stop_server(proc)
+        med = statistics.median
+        rate, ceil = med(rates), med(ceilings)
+        print(f"\ningest over REST ({args.clients} client processes, batches of {BATCH}, "
+              f"1 gunicorn gthread worker), median of {args.trials}, {os.cpu_count()} cores:")
+        print(f"                    wall clock            per CPU-second of the writer")
+        print(f"  server path      {rate:>10,.0f} points/s   {med(cpu_rates):>10,.0f}")
+        print(f"  raw executemany  {ceil:>10,.0f} rows/s     {med(cpu_ceilings):>10,.0f}"
+              f"   (same schema, same run)")
+        print(f"  ratio            {rate / ceil:>10.2f} x        "
+              f"{med(cpu_rates) / med(cpu_ceilings):>10.2f} x"
+              f"   (goal >= 0.5 and >= 300,000 points/s)")
+
+
+if __name__ == "__main__":
+    main()
