@@ -48,7 +48,7 @@ class _Run:
         self.control = collections.deque(maxlen=QUEUE_MAX)
         self.seq = itertools.count()
         self.last_step = -1
-        self.latest = {}
+        self.latest = {}  # of points the sender has taken; summary adds the queued ones
         self.errors = 0
         self.dropped = 0
         self.sent = 0
@@ -164,25 +164,22 @@ def log(metrics, step=None, epoch=None, ts=None):
         r.last_step = step
         # seconds as a float: the clock read is the dearest part of this call on some
         # VMs; the sender turns it into milliseconds
-        ts = _time() if ts is None else ts / 1000.0
-        append = r.points.append
-        seq = r.seq
-        latest = r.latest
+        if ts is None:
+            ts = _time()
+        else:
+            ts = ts / 1000.0
+        points = r.points
         for k, v in metrics.items():
             if type(v) is not float and type(v) is not int:  # bool is not int here
                 v = _as_number(v)
                 if v is None:
                     continue
-            if type(k) is not str:
-                k = str(k)
-            append((next(seq), k, step, v, ts))
-            latest[k] = v
+            points.append((next(r.seq), k, step, v, ts))
         if epoch is not None:
             v = _as_number(epoch)
             if v is not None:
-                append((next(seq), "epoch", step, v, ts))
-                latest["epoch"] = v
-        if r.idle and len(r.points) >= _BATCH_MAX:
+                points.append((next(r.seq), "epoch", step, v, ts))
+        if r.idle and len(points) >= _BATCH_MAX:
             r.idle = False
             r.wake.set()
     except Exception:
@@ -323,7 +320,10 @@ def summary():
     out = {"run_id": r.run_id, "mode": r.mode, "state": r.state, "latest": {},
            "dropped": 0, "errors": 0, "queued": 0, "spool": None, "sent": 0}
     try:
-        out["latest"] = dict(r.latest)
+        latest = dict(r.latest)
+        for _, k, _, v, _ in list(r.points):  # list() copies without letting appends in
+            latest[k if type(k) is str else str(k)] = v
+        out["latest"] = latest
         out["sent"] = r.sent
         sp = r.spool
         queued = len(r.points) + (sp.unacked_points if sp else 0)

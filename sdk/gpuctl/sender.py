@@ -149,6 +149,23 @@ class Sender(threading.Thread):
         with self._lock:
             r = self.r
             points, control = r.points, r.control
+            if not control and self._carry is None:
+                # the common case, only points: take them in bulk
+                n = len(points)
+                if not n:
+                    return
+                pop = points.popleft
+                items = [pop() for _ in range(n)]
+                first, last = items[0][0], items[-1][0]
+                if first >= self._expected and last - first == n - 1:
+                    r.dropped += first - self._expected
+                    self._expected = last + 1
+                else:
+                    for item in items:
+                        self._account(item[0])
+                for i in range(0, n, BATCH_MAX):
+                    self._write_metrics(items[i:i + BATCH_MAX])
+                return
             batch = []
             while True:
                 limit = control[0][0] if control else None
@@ -184,18 +201,30 @@ class Sender(threading.Thread):
 
     def _write_metrics(self, batch):
         keys, index, rows = [], {}, []
+        add = rows.append
         for _, key, step, value, ts in batch:
             i = index.get(key)
             if i is None:
                 i = index[key] = len(keys)
-                keys.append(key)
-            try:
-                if type(value) is not float:
+                keys.append(key if type(key) is str else str(key))
+            if type(value) is not float:
+                try:
                     value = float(value)  # an int too large for a float is skipped here
-                rows.append([i, step, value, round(ts * 1000)])
+                except (OverflowError, ValueError, TypeError):
+                    self.r.errors += 1
+                    continue
+            try:
+                add([i, step, value, round(ts * 1000)])
             except (OverflowError, ValueError, TypeError):
                 self.r.errors += 1
         if rows:
+            latest, seen = self.r.latest, set()
+            for i, _, value, _ in reversed(rows):  # stop once every key has its last value
+                if i not in seen:
+                    seen.add(i)
+                    latest[keys[i]] = value
+                    if len(seen) == len(keys):
+                        break
             self.r.spool.append("metrics", json.dumps({"keys": keys, "points": rows}), len(rows))
 
     def pending_drops(self):
