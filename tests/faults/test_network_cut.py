@@ -36,7 +36,7 @@ def test_network_cut_and_heal(mode, server_factory, agent_factory, tmp_path, fau
         wait_for(lambda: len(log_rows(server, job["id"])) > 100, 30, what="lines flowing")
 
         proxy.cut(mode)
-        cut_wall_ms = time.time() * 1000
+        cut_began, cut_wall_ms = time.monotonic(), time.time() * 1000
         wait_for(lambda: agent.node()["state"] == "disconnected", 6 * HEARTBEAT_S + 5,
                  interval=0.1, what="the node shown disconnected")
         with ro(server) as c:
