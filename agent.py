@@ -765,14 +765,15 @@ class Runner(Worker):
                     self.active.pop(key, None)
 
     def _tick_attempt(self, att):
-        self._tail(att, at_eof=False)
+        if att.pid() and not att.running_reported:
+            self._report_running(att)
+        if att.pid():        # until then lines wait, so RUNNING comes before the first one
+            self._tail(att, at_eof=False)
         if time.monotonic() >= att.next_hook:
             att.next_hook = time.monotonic() + self.hook_interval_s
             self._hooks(att)
         cancel = read_json(att.file("cancel"))
         exit_info = read_json(att.file("exit"))
-        if att.pid() and not att.running_reported and exit_info is None:
-            self._report_running(att)
         if cancel is not None:
             if not self._enforce_cancel(att, cancel):
                 return              # still inside the grace period with survivors
@@ -1357,6 +1358,7 @@ class Connection:
         log.info("connected to %s as %s (cursor %d, %d to send)", self.url,
                  self.config.name, cursor, self.outbox.last_seq - cursor)
         self.connected.set()
+        backlog = self.outbox.last_seq
         sent_upto, inflight, inflight_deadline = cursor, None, 0.0
         next_heartbeat = time.monotonic() + self.heartbeat_s
         while not self._stop.is_set():
@@ -1366,7 +1368,7 @@ class Connection:
                 next_heartbeat = now + self.heartbeat_s
             if inflight is None:
                 if not self.synced.is_set():
-                    self._maybe_sync()
+                    self._maybe_sync(backlog)
                 items = self.outbox.pending_after(sent_upto)
                 if items:
                     self._send(self.outbox.batch_message(items))
@@ -1403,11 +1405,13 @@ class Connection:
             else:
                 log.debug("ignoring server message of type %r", kind)
 
-    def _maybe_sync(self):
-        # snapshot first, then check: an attempt that ended in between is still listed as
-        # running (harmless), never missing with its EXITED unacked
+    def _maybe_sync(self, backlog):
+        # Wait for the backlog of this connection and every job record to be acked; newer
+        # log/metric records need not hold it up. Snapshot first, then check: an attempt
+        # that ended in between is still listed as running (harmless), never missing with
+        # its EXITED unacked.
         msg = self.runner.sync_message()
-        if self.outbox.acked >= self.outbox.last_job_seq:
+        if self.outbox.acked >= max(backlog, self.outbox.last_job_seq):
             self._send(msg)
             self.synced.set()
             log.info("sync sent: %d running, %d known", len(msg["running"]),

@@ -1,0 +1,766 @@
+"""The agent (agent.py) against real processes, real files and a small fake server.
+
+Nothing here waits with sleep(): every wait polls a condition with a deadline.
+"""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import agent  # noqa: E402
+from fake_server import FakeServer  # noqa: E402
+
+PY = sys.executable
+
+
+def wait_until(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        pause.wait(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def records(outbox, kind=None, job_id=None):
+    with outbox.lock:
+        recs = [json.loads(w) for _s, _r, w in outbox._pending]
+    return [r for r in recs if (kind is None or r["kind"] == kind)
+            and (job_id is None or r.get("job_id") == job_id)]
+
+
+def job_records(outbox, job_id, state=None):
+    return [r for r in records(outbox, "job", job_id) if state is None or r["state"] == state]
+
+
+def log_lines(outbox, job_id):
+    return [ln for r in records(outbox, "log", job_id) for ln in r["lines"]]
+
+
+def start_msg(job_id, command, working_dir, attempt=1, **extra):
+    msg = {"type": "start", "job_id": job_id, "attempt": attempt, "run_id": 100 + job_id,
+           "command": command, "working_dir": str(working_dir), "env": {}, "gpus": [],
+           "cpu_only": True, "tb_dir": None, "watch_dir": None,
+           "server_url": "http://server.example:8600", "ingest_token": "gpi_test"}
+    msg.update(extra)
+    return msg
+
+
+class Host:
+    """An outbox and a runner over one agent home, the runner thread ticking fast."""
+
+    def __init__(self, home, kill_grace_s=1.0, thread=True):
+        self.agent_dir = os.path.join(str(home), "agent")
+        self.outbox = agent.Outbox(self.agent_dir)
+        self.runner = agent.Runner(self.agent_dir, self.outbox, kill_grace_s=kill_grace_s,
+                                   server_url="http://fallback:8600", hook_interval_s=0.1)
+        self.runner.interval = 0.05
+        if thread:
+            self.runner.start()
+
+    def exited(self, job_id):
+        return job_records(self.outbox, job_id, "EXITED")
+
+    def wait_exited(self, job_id, timeout=30):
+        return wait_until(lambda: self.exited(job_id), timeout, f"job {job_id} EXITED")[0]
+
+    def stop(self):
+        self.runner.stop()
+        self.outbox.close()
+
+
+@pytest.fixture
+def hosts():
+    made = []
+
+    def make(home, **kw):
+        h = Host(home, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.stop()
+
+
+def write_script(path, body):
+    path.write_text(body)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------
+# outbox
+# ---------------------------------------------------------------------------------------
+
+def test_outbox_append_recover_and_seq(tmp_path):
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d)
+    epoch = ob.epoch
+    for i in range(5):
+        assert ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i + 1, 0, f"l{i}"]]},
+                         att={"key": "1/1", "offset": 10 * (i + 1), "line_no": i + 1}) == i + 1
+    # a crash: no close(), the spool is all there is beyond the last state.json
+    ob2 = agent.Outbox(d)
+    assert ob2.epoch == epoch
+    assert ob2.next_seq == 6
+    assert [s for s, _w in ob2.pending_after(0)] == [1, 2, 3, 4, 5]
+    assert ob2.attempt_state("1/1") == {"offset": 50, "line_no": 5}
+    wire = json.loads(ob2.pending_after(0)[0][1])
+    assert "_att" not in wire and wire["kind"] == "log" and wire["seq"] == 1
+
+
+def test_outbox_torn_last_line_skipped_with_one_warning(tmp_path, caplog):
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d)
+    ob.append("node_stats", {"gpus": [], "host": {}})
+    ob.append("node_stats", {"gpus": [], "host": {}})
+    ob._spool.close()
+    with open(os.path.join(d, "spool", "outbox.jsonl"), "ab") as f:
+        f.write(b'{"seq":3,"kind":"log","lines":[[1,2,"hal')     # crash mid-write
+    with caplog.at_level(logging.WARNING, logger="gpuplane.agent"):
+        ob2 = agent.Outbox(d)
+    torn = [r for r in caplog.records if "torn" in r.getMessage()]
+    assert len(torn) == 1
+    assert ob2.next_seq == 3
+    assert ob2.append("log", {"job_id": 1, "attempt": 1, "lines": []}) == 3
+    # the next start reads clean lines only: the torn bytes were not glued to seq 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpuplane.agent"):
+        ob3 = agent.Outbox(d)
+    assert not [r for r in caplog.records if "torn" in r.getMessage()]
+    assert [s for s, _w in ob3.pending_after(0)] == [1, 2, 3]
+
+
+def test_outbox_compaction_keeps_unacked(tmp_path):
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d, compact_every_s=0)
+    for i in range(10):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": []},
+                  att={"key": "1/1", "offset": i + 1, "line_no": i + 1})
+    ob.ack(7)
+    with open(os.path.join(d, "spool", "outbox.jsonl")) as f:
+        seqs = [json.loads(line)["seq"] for line in f]
+    assert seqs == [8, 9, 10]
+    state = json.load(open(os.path.join(d, "state.json")))
+    assert state["acked"] == 7 and state["next_seq"] == 11
+    ob2 = agent.Outbox(d)
+    assert ob2.acked == 7 and ob2.next_seq == 11
+    assert [s for s, _w in ob2.pending_after(ob2.acked)] == [8, 9, 10]
+    assert ob2.attempt_state("1/1")["offset"] == 10
+    ob2.ack(10)
+    assert os.path.getsize(os.path.join(d, "spool", "outbox.jsonl")) == 0
+    ob3 = agent.Outbox(d)
+    assert ob3.next_seq == 11 and ob3.epoch == ob.epoch and ob3.attempt_state("1/1")["line_no"] == 10
+
+
+def test_outbox_new_epoch_only_without_state(tmp_path):
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d)
+    ob.append("node_stats", {"gpus": [], "host": {}})
+    ob.close()
+    assert agent.Outbox(d).epoch == ob.epoch
+    # state lost but spool kept: a new epoch, the spooled record renumbered from 1
+    os.remove(os.path.join(d, "state.json"))
+    ob2 = agent.Outbox(d)
+    assert ob2.epoch != ob.epoch
+    assert [s for s, _w in ob2.pending_after(0)] == [1]
+    # a fresh home gets its own epoch
+    assert agent.Outbox(str(tmp_path / "other")).epoch not in (ob.epoch, ob2.epoch)
+
+
+def test_outbox_batches_are_bounded(tmp_path):
+    ob = agent.Outbox(str(tmp_path / "agent"))
+    for _ in range(600):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[1, 1, "x" * 3000]]})
+    first = ob.pending_after(0)
+    assert len(first) <= agent.BATCH_MAX_RECORDS
+    assert sum(len(w) for _s, w in first) <= agent.BATCH_MAX_BYTES
+    assert first[0][0] == 1
+    second = ob.pending_after(first[-1][0])
+    assert second[0][0] == first[-1][0] + 1
+
+
+# ---------------------------------------------------------------------------------------
+# log splitting
+# ---------------------------------------------------------------------------------------
+
+def test_split_log_cuts_long_lines_and_keeps_partial_tail():
+    big = b"y" * (agent.LINE_MAX + 100)
+    items, consumed, skip = agent.split_log(b"a\r\n" + big + b"\nb\npart", False, False)
+    assert [i[0] for i in items] == [b"a", big[:agent.LINE_MAX], b"b"]
+    assert consumed == len(b"a\r\n" + big + b"\nb\n") and not skip
+    items, consumed, skip = agent.split_log(b"part", False, True)
+    assert [i[0] for i in items] == [b"part"] and consumed == 4
+    # an over-long line still being written: cut now, skip its rest later
+    items, consumed, skip = agent.split_log(big, False, False)
+    assert [i[0] for i in items] == [big[:agent.LINE_MAX]] and skip
+    items, consumed, skip = agent.split_log(b"rest of it\nnext\n", True, False)
+    assert [i[0] for i in items] == [b"next"] and not skip
+
+
+# ---------------------------------------------------------------------------------------
+# runner and shim
+# ---------------------------------------------------------------------------------------
+
+def test_shim_runs_command_and_writes_exit(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    h.runner.handle_start(start_msg(1, [PY, "-c", "print('hello'); print('é\\xff'); "
+                                        "import sys; sys.stdout.write('no newline'); "
+                                        "sys.exit(3)"], wd))
+    rec = h.wait_exited(1)
+    assert rec["exit_code"] == 3 and rec["failure_kind"] == "EXIT_CODE"
+    assert "exited with code 3" in rec["message"]
+    d = tmp_path / "home" / "agent" / "jobs" / "1" / "1"
+    exit_info = json.loads((d / "exit").read_text())
+    assert exit_info["exit_code"] == 3 and exit_info["signal"] is None
+    pid = json.loads((d / "pid").read_text())
+    assert pid["pid"] == rec["pid"] and pid["create_time"] > 0
+    assert [ln[0] for ln in log_lines(h.outbox, 1)] == [1, 2, 3]
+    assert [ln[2] for ln in log_lines(h.outbox, 1)] == ["hello", "é\xff", "no newline"]
+    running = job_records(h.outbox, 1, "RUNNING")
+    assert len(running) == 1 and running[0]["pid"] == rec["pid"]
+    # order: RUNNING, all logs, then EXITED
+    kinds = [(r["kind"], r.get("state")) for r in records(h.outbox) if r.get("job_id") == 1]
+    assert kinds[0] == ("job", "RUNNING") and kinds[-1] == ("job", "EXITED")
+
+
+def test_success_and_start_idempotent(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    msg = start_msg(2, "echo ok", tmp_path)
+    h.runner.handle_start(msg)
+    rec = h.wait_exited(2)
+    assert rec["exit_code"] == 0 and rec["failure_kind"] is None
+    h.runner.handle_start(msg)      # again: only re-reports, never runs twice
+    assert len(h.exited(2)) == 2 and h.exited(2)[1]["exit_code"] == 0
+    assert [ln[2] for ln in log_lines(h.outbox, 2)] == ["ok"]
+
+
+def test_dispatch_failed_bad_dir_and_missing_command(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    missing = tmp_path / "nope"
+    h.runner.handle_start(start_msg(3, ["true"], missing))
+    rec = h.wait_exited(3)
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and str(missing) in rec["message"]
+    h.runner.handle_start(start_msg(4, ["no-such-binary-xyz", "--x"], tmp_path))
+    rec = h.wait_exited(4)
+    assert rec["failure_kind"] == "DISPATCH_FAILED"
+    assert rec["message"] == "command not found: no-such-binary-xyz"
+    (tmp_path / "script.sh").write_text("#!/bin/sh\necho hi\n")     # not executable
+    h.runner.handle_start(start_msg(5, ["./script.sh"], tmp_path))
+    rec = h.wait_exited(5)
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and "./script.sh" in rec["message"]
+    assert not job_records(h.outbox, 3, "RUNNING")
+
+
+def test_relative_command_resolves_in_working_dir(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\necho from-script \"$1\"\n")
+    script.chmod(0o755)
+    h.runner.handle_start(start_msg(6, ["./run.sh", "arg"], tmp_path))
+    rec = h.wait_exited(6)
+    assert rec["exit_code"] == 0
+    assert [ln[2] for ln in log_lines(h.outbox, 6)] == ["from-script arg"]
+
+
+def test_oom_classification(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    code = ("import sys\nprint('step 1')\n"
+            "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB',"
+            " file=sys.stderr)\nsys.exit(1)\n")
+    (tmp_path / "t.py").write_text(code)
+    h.runner.handle_start(start_msg(7, [PY, "t.py"], tmp_path))
+    rec = h.wait_exited(7)
+    assert rec["failure_kind"] == "OOM"
+    assert "CUDA out of memory" in rec["message"]
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate", "OOM"),
+    ("jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+     "trying to allocate 1.0G", "OOM"),
+    ("RuntimeError: cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE", "OOM"),
+    ("ValueError: bad learning rate", "EXIT_CODE"),
+])
+def test_classify_exit_patterns(tmp_path, text, kind):
+    log = tmp_path / "log"
+    log.write_text("x" * (agent.OOM_TAIL_BYTES * 2) + "\n" + text + "\n")
+    assert agent.classify_exit({"exit_code": 1, "signal": None, "ended_at": 1}, str(log),
+                               None)[0] == kind
+    # beyond the last 64 KiB it is not looked at
+    log.write_text(text + "\n" + "x" * (agent.OOM_TAIL_BYTES * 2) + "\n")
+    assert agent.classify_exit({"exit_code": 1, "signal": None, "ended_at": 1}, str(log),
+                               None)[0] == "EXIT_CODE"
+    assert agent.classify_exit({"exit_code": 0, "signal": None, "ended_at": 1}, str(log),
+                               None) == (None, None)
+
+
+def test_environment_injection(tmp_path, hosts, monkeypatch):
+    monkeypatch.setenv("GPUCTL_TOKEN", "agent-secret-must-not-leak")
+    monkeypatch.setenv("GPUCTL_SOMETHING", "x")
+    monkeypatch.setenv("KEEP_ME", "kept")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    h = hosts(tmp_path / "home")
+    code = ("import os, json; print(json.dumps({k: v for k, v in os.environ.items() "
+            "if k.startswith(('GPUCTL_', 'CUDA_', 'KEEP_', 'MY_', 'PYTHON'))}))")
+    h.runner.handle_start(start_msg(8, [PY, "-c", code], tmp_path, gpus=[1, 3],
+                                    cpu_only=False, env={"MY_VAR": "v", "KEEP_ME": "job"}))
+    h.wait_exited(8)
+    env = json.loads(log_lines(h.outbox, 8)[0][2])
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert env["GPUCTL_TOKEN"] == "gpi_test" and "GPUCTL_SOMETHING" not in env
+    assert env["GPUCTL_RUN_ID"] == "108" and env["GPUCTL_JOB_ID"] == "8"
+    assert env["GPUCTL_SERVER"] == "http://server.example:8600"
+    assert env["MY_VAR"] == "v" and env["KEEP_ME"] == "job"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    if os.path.isdir(agent.SDK_DIR):
+        assert env["PYTHONPATH"] == agent.SDK_DIR
+    # cpu_only: empty CUDA_VISIBLE_DEVICES; a job's own PYTHONPATH is left alone
+    h.runner.handle_start(start_msg(9, [PY, "-c", code], tmp_path, server_url=None,
+                                    env={"PYTHONPATH": "/mine"}))
+    h.wait_exited(9)
+    env = json.loads(log_lines(h.outbox, 9)[0][2])
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PYTHONPATH"] == "/mine"
+    assert env["GPUCTL_SERVER"] == "http://fallback:8600"
+
+
+def test_string_command_runs_through_sh(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    h.runner.handle_start(start_msg(10, "echo $((2+3)) | tr 5 Z", tmp_path))
+    h.wait_exited(10)
+    assert [ln[2] for ln in log_lines(h.outbox, 10)] == ["Z"]
+
+
+FORKER = r"""
+import os, signal, sys, time
+out = sys.argv[1]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+def note(name):
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+if os.fork() == 0:                       # child, ignores SIGTERM too
+    if os.fork() == 0:                   # grandchild that leaves the process group
+        os.setsid()
+        note("grandchild")
+        while True:
+            time.sleep(1)
+    note("child")
+    while True:
+        time.sleep(1)
+if os.fork() == 0:                       # a plain child that dies on SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    note("child2")
+    while True:
+        time.sleep(1)
+note("main")
+print("all started", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_cancel_kills_the_whole_tree(tmp_path, hosts):
+    h = hosts(tmp_path / "home", kill_grace_s=1.0)
+    out = tmp_path / "pids"
+    out.mkdir()
+    write_script(tmp_path / "forker.py", FORKER)
+    h.runner.handle_start(start_msg(11, [PY, "forker.py", str(out)], tmp_path))
+    names = ["main", "child", "child2", "grandchild"]
+    wait_until(lambda: all((out / n).exists() for n in names), what="all processes up")
+    pids = [int((out / n).read_text()) for n in names]
+    wait_until(lambda: job_records(h.outbox, 11, "RUNNING"), what="RUNNING")
+    assert all(_alive(p) for p in pids)
+    h.runner.handle_cancel({"type": "cancel", "job_id": 11, "attempt": 1})
+    rec = h.wait_exited(11)
+    assert rec["failure_kind"] == "CANCELLED"
+    wait_until(lambda: not any(_alive(p) for p in pids), timeout=10, what="no survivors")
+    assert not any(_alive(p) for p in pids)
+    # a second cancel is a no-op apart from re-reporting
+    h.runner.handle_cancel({"type": "cancel", "job_id": 11, "attempt": 1})
+    assert all(r["failure_kind"] == "CANCELLED" for r in h.exited(11))
+
+
+def test_cancel_of_unknown_attempt_is_noop(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    h.runner.handle_cancel({"type": "cancel", "job_id": 99, "attempt": 1})
+    assert records(h.outbox) == []
+
+
+GATED = r"""
+import os, sys
+gate = sys.argv[1]
+for i in range(1, 6):
+    print(f"line {i}", flush=True)
+while not os.path.exists(gate):
+    os.stat(os.path.dirname(gate))          # busy-ish wait is fine for a tiny job
+    import time; time.sleep(0.05)
+for i in range(6, 11):
+    print(f"line {i}", flush=True)
+sys.exit(4)
+"""
+
+
+def test_readopt_after_restart_reports_exit_once_without_duplicate_lines(tmp_path, hosts):
+    home = tmp_path / "home"
+    gate = tmp_path / "gate"
+    write_script(tmp_path / "gated.py", GATED)
+    a = hosts(home)
+    a.runner.handle_start(start_msg(12, [PY, "gated.py", str(gate)], tmp_path))
+    wait_until(lambda: len(log_lines(a.outbox, 12)) == 5, what="first five lines")
+    a.stop()                          # the agent goes away; the job must not notice
+    pid = json.load(open(home / "agent" / "jobs" / "12" / "1" / "pid"))["pid"]
+    assert _alive(pid)
+
+    b = hosts(home)
+    assert "12/1" in b.runner.active
+    gate.write_text("go")
+    rec = b.wait_exited(12)
+    assert rec["exit_code"] == 4 and rec["failure_kind"] == "EXIT_CODE"
+    lines = log_lines(b.outbox, 12)
+    assert [ln[0] for ln in lines] == list(range(1, 11))
+    assert [ln[2] for ln in lines] == [f"line {i}" for i in range(1, 11)]
+    assert len(b.exited(12)) == 1 and len(job_records(b.outbox, 12, "RUNNING")) == 1
+    b.stop()
+
+    c = hosts(home)                   # a third start: nothing left to report
+    assert "12/1" not in c.runner.active
+    assert len(c.exited(12)) == 1
+
+
+def test_job_that_ended_while_agent_was_down(tmp_path, hosts):
+    home = tmp_path / "home"
+    gate = tmp_path / "gate"
+    write_script(tmp_path / "gated.py", GATED)
+    a = hosts(home)
+    a.runner.handle_start(start_msg(13, [PY, "gated.py", str(gate)], tmp_path))
+    wait_until(lambda: job_records(a.outbox, 13, "RUNNING"), what="RUNNING")
+    a.stop()
+    exit_file = home / "agent" / "jobs" / "13" / "1" / "exit"
+    gate.write_text("go")
+    wait_until(exit_file.exists, what="exit file")
+    b = hosts(home)
+    rec = b.wait_exited(13)
+    assert rec["exit_code"] == 4
+    assert [ln[2] for ln in log_lines(b.outbox, 13)][-1] == "line 10"
+
+
+def test_lost_when_shim_and_job_vanish(tmp_path, hosts):
+    home = tmp_path / "home"
+    write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
+    a = hosts(home)
+    a.runner.handle_start(start_msg(14, [PY, "sleepy.py"], tmp_path))
+    wait_until(lambda: job_records(a.outbox, 14, "RUNNING"), what="RUNNING")
+    a.stop()
+    info = json.load(open(home / "agent" / "jobs" / "14" / "1" / "pid"))
+    # a host reboot, in small: shim and job die together without an exit file
+    os.kill(info["shim_pid"], signal.SIGKILL)
+    os.killpg(info["pid"], signal.SIGKILL)
+    wait_until(lambda: not _alive(info["pid"]) and not _alive(info["shim_pid"]),
+               what="processes gone")
+    b = hosts(home)
+    rec = b.wait_exited(14)
+    assert rec["failure_kind"] == "LOST"
+
+
+def test_sync_message_lists_running_and_known(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
+    h.runner.handle_start(start_msg(15, ["true"], tmp_path))
+    h.runner.handle_start(start_msg(16, [PY, "sleepy.py"], tmp_path, attempt=2))
+    h.wait_exited(15)
+    wait_until(lambda: job_records(h.outbox, 16, "RUNNING"), what="RUNNING")
+    msg = h.runner.sync_message()
+    assert msg["type"] == "sync"
+    assert msg["known"] == [[15, 1], [16, 2]]
+    assert [(r["job_id"], r["attempt"]) for r in msg["running"]] == [(16, 2)]
+    h.runner.handle_cancel({"type": "cancel", "job_id": 16, "attempt": 2})
+    h.wait_exited(16)
+
+
+class FakeTB:
+    """Stands in for the TBTailer interface that the TensorBoard section provides."""
+    made = []
+
+    def __init__(self, root_dir, started_after_ts, offsets):
+        self.root_dir, self.started_after_ts = root_dir, started_after_ts
+        self.offsets = dict(offsets)
+        FakeTB.made.append(self)
+
+    def poll(self):
+        path = os.path.join(self.root_dir, "scalars.txt")
+        if not os.path.exists(path):
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offsets.get(path, 0))
+            data = f.read()
+        self.offsets[path] = self.offsets.get(path, 0) + len(data)
+        out = []
+        for line in data.decode().splitlines():
+            key, step, value = line.split()
+            out.append((key, int(step), float(value), 1000))
+        return out
+
+
+def test_tb_hook_emits_metrics_and_persists_offsets(tmp_path, hosts, monkeypatch):
+    monkeypatch.setattr(agent, "TBTailer", FakeTB)
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "scalars.txt").write_text("loss 1 0.5\nloss 2 0.4\n")
+    write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
+    home = tmp_path / "home"
+    a = hosts(home)
+    a.runner.handle_start(start_msg(17, [PY, "sleepy.py"], tmp_path, tb_dir=str(tb)))
+    wait_until(lambda: records(a.outbox, "metrics"), what="tb metrics")
+    m = records(a.outbox, "metrics")[0]
+    assert m["source"] == "tb" and m["run_id"] == 117
+    assert m["points"] == [["loss", 1, 0.5, 1000], ["loss", 2, 0.4, 1000]]
+    a.stop()
+    with open(tb / "scalars.txt", "a") as f:
+        f.write("loss 3 0.3\n")
+    b = hosts(home)
+    assert FakeTB.made[-1] is not None
+    wait_until(lambda: len(records(b.outbox, "metrics")) == 2, what="new tb point")
+    new = records(b.outbox, "metrics")[1]
+    assert new["points"] == [["loss", 3, 0.3, 1000]]
+    b.runner.handle_cancel({"type": "cancel", "job_id": 17, "attempt": 1})
+    b.wait_exited(17)
+
+
+def test_checkpoint_watch(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
+    h.runner.handle_start(start_msg(18, [PY, "sleepy.py"], tmp_path, watch_dir="checkpoints"))
+    (ck / "model-step=200.pt").write_bytes(b"w" * 100)
+    (ck / "ignored.tmp").write_bytes(b"w")
+    rec = wait_until(lambda: records(h.outbox, "checkpoint"), what="checkpoint")[0]
+    assert rec["path"] == str(ck / "model-step=200.pt")
+    assert rec["step"] == 200 and rec["size_bytes"] == 100 and rec["run_id"] == 118
+    h.runner.handle_cancel({"type": "cancel", "job_id": 18, "attempt": 1})
+    h.wait_exited(18)
+    assert len(records(h.outbox, "checkpoint")) == 1
+    assert agent.checkpoint_step("epoch_3.ckpt") == (None, 3.0)
+    assert agent.checkpoint_step("ckpt-1500.pt") == (1500, None)
+
+
+# ---------------------------------------------------------------------------------------
+# node stats
+# ---------------------------------------------------------------------------------------
+
+def test_fake_gpus_and_system_metrics(tmp_path, hosts):
+    probe = agent.GpuProbe(fake_gpus=2)
+    facts = probe.facts()
+    assert [g["name"] for g in facts] == ["Fake GPU 0", "Fake GPU 1"]
+    assert all(g["fake"] and g["memory_total_mb"] == 24576 for g in facts)
+    sample = probe.sample({1})
+    assert sample[1]["util"] > sample[0]["util"] and sample[1]["mem_used_mb"] > 1000
+
+    h = hosts(tmp_path / "home")
+    write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
+    h.runner.handle_start(start_msg(19, [PY, "sleepy.py"], tmp_path, gpus=[1],
+                                    cpu_only=False))
+    wait_until(lambda: job_records(h.outbox, 19, "RUNNING"), what="RUNNING")
+    stats = agent.StatsReporter(h.outbox, h.runner, probe, str(tmp_path))
+    stats.tick()
+    ns = records(h.outbox, "node_stats")[0]
+    assert len(ns["gpus"]) == 2 and ns["gpus"][1]["fake"] is True
+    assert ns["host"]["mem_total_mb"] > 0 and ns["host"]["disk_free_mb"] > 0
+    m = [r for r in records(h.outbox, "metrics") if r["source"] == "system"][0]
+    keys = {p[0] for p in m["points"]}
+    assert {"sys/cpu_percent", "sys/rss_mb", "sys/gpu1/util", "sys/gpu1/mem_used_mb"} <= keys
+    assert m["run_id"] == 119 and not any(k.startswith("sys/gpu0") for k in keys)
+    assert all(p[1] == m["points"][0][1] for p in m["points"])
+    h.runner.handle_cancel({"type": "cancel", "job_id": 19, "attempt": 1})
+    h.wait_exited(19)
+
+
+def test_no_driver_logs_once_and_reports_no_gpus(caplog):
+    with caplog.at_level(logging.WARNING, logger="gpuplane.agent"):
+        probe = agent.GpuProbe(fake_gpus=0)
+    if probe.nvml is not None:
+        pytest.skip("this host has an NVIDIA driver")
+    msgs = [r.getMessage() for r in caplog.records if "no NVIDIA driver" in r.getMessage()]
+    assert len(msgs) == 1 and "--fake-gpus" in msgs[0]
+    assert probe.facts() == [] and probe.sample() == []
+
+
+# ---------------------------------------------------------------------------------------
+# connection, against the fake server
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.stop()
+
+
+def make_agent(home, server, token=None):
+    cfg = agent.Config(server=server.url, token=token or server.token, name="box",
+                       home=str(home), fake_gpus=1, heartbeat_s=0.2, stats_interval_s=3600)
+    a = agent.Agent(cfg, kill_grace_s=1.0)
+    a.runner.interval = 0.05
+    a.connection.ack_timeout_s = 2.0
+    return a
+
+
+def test_connection_handshake_replay_and_commands(tmp_path, server):
+    home = tmp_path / "home"
+    a = make_agent(home, server)
+    # records spooled before any connection are replayed after the welcome
+    a.outbox.append("event", {"run_id": None, "job_id": None, "type": "AGENT_TEST",
+                              "severity": "info", "message": "before connect", "data": {}})
+    a.start()
+    try:
+        server.wait_for(lambda: server.syncs, what="sync")
+        hello = server.hellos[0]
+        assert hello["node"] == "box" and hello["fake"] is True
+        assert hello["gpus"][0]["name"] == "Fake GPU 0" and hello["epoch"] == a.outbox.epoch
+        assert server.records()[0]["type"] == "AGENT_TEST"
+        assert server.syncs[0] == {"type": "sync", "running": [], "known": []}
+        server.wait_for(lambda: server.heartbeats >= 2, what="heartbeats")
+
+        server.send(start_msg(20, [PY, "-c", "print('remote'); raise SystemExit(0)"],
+                              tmp_path))
+        server.wait_for(lambda: [r for r in server.applied if r["kind"] == "job"
+                                 and r["state"] == "EXITED"], what="EXITED at server")
+        assert [ln[2] for r in server.records("log") for ln in r["lines"]] == ["remote"]
+        seqs = [r["seq"] for r in server.records()]
+        assert seqs == list(range(1, len(seqs) + 1))
+        server.wait_for(lambda: a.outbox.acked == a.outbox.last_seq, what="all acked")
+    finally:
+        a.stop()
+
+
+def test_reconnect_replays_without_loss_or_duplicates(tmp_path, server):
+    home = tmp_path / "home"
+    write_script(tmp_path / "gated.py", GATED)
+    gate = tmp_path / "gate"
+    a = make_agent(home, server)
+    a.start()
+    try:
+        server.send(start_msg(21, [PY, "gated.py", str(gate)], tmp_path))
+        server.wait_for(lambda: sum(len(r["lines"]) for r in server.records("log")) == 5,
+                        what="five lines")
+        server.ack = False            # batches vanish: the agent must time out and replay
+        gate.write_text("go")
+        server.wait_for(lambda: server.batches >= 1 and a.outbox.last_seq > server.cursor,
+                        what="unacked batch")
+        server.ack = True
+        server.drop()
+        server.wait_for(lambda: [r for r in server.applied if r["kind"] == "job"
+                                 and r["state"] == "EXITED"], what="EXITED after replay")
+        lines = [ln for r in server.records("log") for ln in r["lines"]]
+        assert [ln[0] for ln in lines] == list(range(1, 11))
+        seqs = [r["seq"] for r in server.records()]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert len(server.hellos) >= 2 and len(server.syncs) >= 2
+        assert server.syncs[-1]["known"] == [[21, 1]]
+    finally:
+        a.stop()
+
+
+def test_agent_restart_over_same_home_keeps_epoch_and_cursor(tmp_path, server):
+    home = tmp_path / "home"
+    a = make_agent(home, server)
+    a.start()
+    server.send(start_msg(22, "echo one", tmp_path))
+    server.wait_for(lambda: server.records("job") and
+                    server.records("job")[-1]["state"] == "EXITED", what="first job")
+    server.wait_for(lambda: a.outbox.acked == a.outbox.last_seq, what="acked")
+    a.stop()
+    b = make_agent(home, server)
+    assert b.outbox.epoch == a.outbox.epoch
+    b.start()
+    try:
+        server.send(start_msg(22, "echo one", tmp_path))   # a repeated start: re-report only
+        server.send(start_msg(23, "echo two", tmp_path))
+        server.wait_for(lambda: [r for r in server.records("job") if r["job_id"] == 23
+                                 and r["state"] == "EXITED"], what="second job")
+        seqs = [r["seq"] for r in server.records()]
+        assert seqs == list(range(1, len(seqs) + 1))
+        texts = [ln[2] for r in server.records("log") for ln in r["lines"]]
+        assert texts == ["one", "two"]
+        assert len(server.hellos) == 2 and server.hellos[1]["epoch"] == server.hellos[0]["epoch"]
+    finally:
+        b.stop()
+
+
+def test_bad_token_is_retried_until_it_works(tmp_path, server):
+    a = make_agent(tmp_path / "home", server, token="wrong")
+    a.start()
+    try:
+        server.wait_for(lambda: server.rejected >= 2, what="rejections with backoff")
+        assert not server.hellos
+        a.config.token = server.token      # the operator fixes it; no restart needed
+        server.wait_for(lambda: server.syncs, timeout=30, what="connected")
+    finally:
+        a.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------
+
+def run_cli(args, home, timeout=30):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    env["GPUCTL_HOME"] = str(home)
+    return subprocess.run([PY, os.path.join(ROOT, "agent.py")] + args, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_missing_server_and_token(tmp_path):
+    r = run_cli([], tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "--server and --token missing" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_reads_agent_toml_and_stops_on_sigterm(tmp_path, server):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "agent.toml").write_text(
+        f'server = "{server.url}"\ntoken = "{server.token}"\nname = "tomlbox"\n'
+        f'fake_gpus = 2\nheartbeat_s = 0.5\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    env["GPUCTL_HOME"] = str(home)
+    p = subprocess.Popen([PY, os.path.join(ROOT, "agent.py")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        server.wait_for(lambda: server.syncs, what="agent from agent.toml")
+        assert server.hellos[0]["node"] == "tomlbox" and len(server.hellos[0]["gpus"]) == 2
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 0, out
+        assert "Traceback" not in out
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
