@@ -156,6 +156,12 @@ def test_idempotent_reingest(client, db):
     post(client, run, ["b", "a"], [[1 - k, s, v, t] for k, s, v, t in pts])
     assert count_points(db) == 1010
     assert db.query_one("SELECT count(*) FROM metric_keys")[0] == 2
+    # The same step twice in one batch (inside a multi-row insert and across its edge):
+    # the later point wins.
+    post(client, run, ["a"], [[0, s % 300, float(s), TS] for s in range(600)])
+    assert count_points(db) == 1010
+    assert db.query_one("SELECT value FROM points WHERE step = 299 AND key_id ="
+                        " (SELECT id FROM metric_keys WHERE key = 'a')")[0] == 599.0
 
 
 def test_out_of_order_and_replaced_points_reach_rollups(client, db):
