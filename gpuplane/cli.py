@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 EXIT_OK = 0
@@ -219,7 +218,8 @@ def get_parser():
 
     p = command(jsub, "list", "list jobs, newest first", parents=(conn, js))
     p.add_argument("--state", type=str.upper, choices=JOB_STATES, help="only jobs in this state")
-    p.add_argument("--limit", type=_positive_int, default=50, help="at most this many (default 50)")
+    p.add_argument("--limit", type=_positive_int, default=50,
+                   help="at most this many (default 50)")
     p.set_defaults(func=cmd_job_list)
 
     p = command(jsub, "show", "show a job with its attempts", parents=(conn, js))

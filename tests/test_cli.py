@@ -383,7 +383,9 @@ def test_cancel_retry_and_logs_follow(stack, tmp_path):
         _wait("the follower printing", lambda: out_path.read_text().startswith("started\n"))
         code, out, _ = run_cli(stack, "job", "cancel", str(job_id))
         assert code == 0 and f"job {job_id}" in out
-        err = follower.communicate(timeout=60)[1]
+        _wait("the job to be CANCELLED",
+              lambda: c.get_job(job_id)["state"] == "CANCELLED", 30)
+        err = follower.communicate(timeout=30)[1]
     finally:
         if follower.poll() is None:
             follower.kill()
