@@ -60,6 +60,13 @@ class Scheduler(Worker):
         self.gateway = gateway
         self.cfg = cfg
 
+    def start(self):
+        # A new server process holds no agent connection yet, whatever the database says
+        # (a crash leaves nodes 'connected'): their grace period starts now, so a node
+        # that never comes back still has its jobs declared NODE_LOST.
+        nodes.all_disconnected(self.db)
+        super().start()
+
     def tick(self):
         self.expire_lost_nodes()
         self.schedule()
