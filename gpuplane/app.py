@@ -18,7 +18,7 @@ def create_app(home=None, start_threads=True, **overrides):
     cfg, created = config_mod.ensure_server_config(home)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     db = Database(home / "server" / "gpuctl.db")
-    tokens.create(db, "admin (server.toml)", "admin", secret=cfg["admin_token"])
+    tokens.create(db, tokens.SERVER_ADMIN, "admin", secret=cfg["admin_token"])
 
     app = Flask(__name__, static_folder=None)
     app.config.update(

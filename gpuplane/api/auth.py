@@ -3,7 +3,7 @@ from flask import Blueprint, current_app
 
 from ..auth import current_token, requires
 from ..db import tokens
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Conflict, NotFound
 from .validate import body, field
 
 bp = Blueprint("auth", __name__, url_prefix="/api/v1")
@@ -42,6 +42,11 @@ def create_token():
 @bp.delete("/tokens/<int:token_id>")
 @requires("admin")
 def revoke_token(token_id):
-    if not tokens.revoke(_db(), token_id):
+    row = _db().query_one("SELECT name, scope FROM tokens WHERE id = ?", (token_id,))
+    if row is None:
         raise NotFound(f"token {token_id} does not exist; see `gpuplane token list`")
+    if row["name"] == tokens.SERVER_ADMIN:
+        raise Conflict("this is the admin token from server.toml; to change it, edit "
+                       "admin_token there and restart the server")
+    tokens.revoke(_db(), token_id)
     return {"id": token_id, "revoked": True}

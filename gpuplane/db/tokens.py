@@ -4,6 +4,7 @@ import secrets
 
 from . import now_ms
 
+SERVER_ADMIN = "admin (server.toml)"   # the token written to server.toml
 SCOPES = ("admin", "write", "read", "agent", "ingest")
 PREFIX = {"admin": "gpa_", "write": "gpw_", "read": "gpr_", "agent": "gpg_", "ingest": "gpi_"}
 
