@@ -13,8 +13,9 @@ import simple_websocket
 
 
 class FakeServer:
-    def __init__(self, token="agent-secret", ack=True):
+    def __init__(self, token="agent-secret", ack=True, heartbeat_s=0.2):
         self.token = token
+        self.heartbeat_s = heartbeat_s
         self.ack = ack                 # False: swallow batches (ack timeout path)
         self.lock = threading.RLock()     # wait_for predicates may call records()
         self.epoch = None
@@ -69,6 +70,10 @@ class FakeServer:
     def stop(self):
         self._stop.set()
         self.drop()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)     # wakes the blocked accept()
+        except OSError:
+            pass
         self._sock.close()
         for t in self._threads:
             t.join(5)
@@ -128,7 +133,7 @@ class FakeServer:
                 if msg["epoch"] != self.epoch:
                     self.epoch, self.cursor = msg["epoch"], 0
                 return {"type": "welcome", "node": msg["node"], "epoch": self.epoch,
-                        "cursor": self.cursor, "heartbeat_s": 5}
+                        "cursor": self.cursor, "heartbeat_s": self.heartbeat_s}
             if kind == "heartbeat":
                 self.heartbeats += 1
                 return None
