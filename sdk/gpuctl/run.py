@@ -208,9 +208,10 @@ def _enqueue_control(kind, payload):
 def log_checkpoint(path, step=None, epoch=None):
     """Register a checkpoint file or directory. Never copies or reads it.
 
-    Sends ``path`` as given (the server resolves a relative path against the job's
-    working dir) together with ``abs_path`` (resolved against this process's current
-    directory, which is what a run outside a job needs), ``size_bytes`` (the file's size,
+    Inside a job (attached) ``path`` is sent as given and the server resolves a relative
+    path against the job's working dir; otherwise it is sent made absolute against this
+    process's current directory. ``abs_path`` always carries the latter. Also sent:
+    ``size_bytes`` (the file's size,
     or the total of the files under a directory; 0 when it does not exist), ``step``
     (default: the run's last step) and ``epoch``. Never raises.
     """
@@ -220,7 +221,9 @@ def log_checkpoint(path, step=None, epoch=None):
         path = os.fspath(path)
         if isinstance(path, bytes):
             path = os.fsdecode(path)
-        body = {"path": path, "abs_path": os.path.abspath(path),
+        abs_path = os.path.abspath(path)
+        # only a job's run has a working dir for the server to resolve a relative path with
+        body = {"path": path if _run.mode == "attached" else abs_path, "abs_path": abs_path,
                 "step": _run.last_step if step is None else int(step),
                 "epoch": epoch if epoch is None else float(epoch),
                 "size_bytes": _size_of(path), "ts": _time_ns() // 1_000_000}

@@ -149,12 +149,25 @@ def test_checkpoints_and_events_keep_their_place_between_points(sdk, server, tmp
     kinds = [k for k, _ in order]
     assert kinds == ["metrics", "checkpoints", "metrics", "checkpoints", "events"]
     c1, c2 = json.loads(order[1][1]), json.loads(order[3][1])
-    assert c1["path"] == "ckpt" and c1["abs_path"] == str(d)
+    assert c1["path"] == str(d) and c1["abs_path"] == str(d)  # no job dir to resolve with
     assert c1["size_bytes"] == 123 and c1["step"] == 1 and c1["epoch"] == 1.0
     assert c2["path"] == str(f) and c2["size_bytes"] == 7 and c2["step"] == 2
     ev = json.loads(order[4][1])
     assert ev["name"] == "lr_drop" and ev["data"] == {"lr": 0.01} and ev["step"] == 2
     assert d.exists() and f.read_bytes() == b"z" * 7  # registered, never moved
+
+
+def test_attached_checkpoint_path_is_sent_as_given(sdk, server, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPUCTL_RUN_ID", "5")
+    monkeypatch.setenv("GPUCTL_SERVER", server.url)
+    monkeypatch.setenv("GPUCTL_TOKEN", TOKEN)
+    sdk.log_checkpoint("ckpt/last.pt", step=3)
+    assert sdk.flush(5)
+    [(path, body)] = server.posts("/checkpoints")
+    assert path == "/api/v1/runs/5/checkpoints"
+    assert body["path"] == "ckpt/last.pt"  # the server resolves it with the job's dir
+    assert body["abs_path"] == str(tmp_path / "ckpt" / "last.pt")
 
 
 def test_registration_refused_falls_back_to_local(sdk, server):

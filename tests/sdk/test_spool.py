@@ -65,7 +65,7 @@ def test_spool_of_a_dead_process_is_replayed_once_by_the_next(sdk, server, tmp_p
     wait_for(lambda: _spools(home) == [], what="the replayed spool to go")
     assert server.identities(run_id) == set()  # nothing leaked into the new run
     ck = [b for p, b in server.posts("/checkpoints") if p.startswith("/api/v1/runs/%d/" % r)]
-    assert len(ck) == 1 and ck[0]["path"] == "ckpt-1234.pt"
+    assert len(ck) == 1 and ck[0]["path"] == str(tmp_path / "ckpt-1234.pt")
     assert ck[0]["abs_path"] == str(tmp_path / "ckpt-1234.pt")
     assert len(server.posts("/events")) == 1
     # no point was sent twice, and a third process finds nothing to replay
