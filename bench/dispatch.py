@@ -1,0 +1,158 @@
+"""Dispatch latency and drain throughput, beside starting the same processes directly.
+
+    .venv/bin/python bench/dispatch.py [--jobs 50] [--drain 200] [--slots 4]
+
+Starts a real server (gunicorn) and a real agent with fake GPUs in a temp home, then:
+1. submit → process start latency for `--jobs` jobs, one at a time on an idle node
+   (the job writes time.time() as its first act; the submit time is taken just before
+   the POST), median and p95;
+2. the time to drain `--drain` trivial jobs through `--slots` GPU slots;
+and, as the baseline in the same run, the bare cost of starting the same processes with
+subprocess directly, `--slots` at a time. Prints both and the ratio.
+"""
+import argparse
+import concurrent.futures
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(cond, timeout=60, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.01)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def start_platform(home, slots):
+    port = free_port()
+    (home / "server.toml").write_text(f'host = "127.0.0.1"\nport = {port}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    env["GPUCTL_HOME"] = str(home)
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from gpuplane.server import serve; "
+         "serve(sys.argv[1], log_level='warning')", str(home)],
+        cwd=ROOT, env=env, stdout=open(home / "server.log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait(lambda: requests.get(url + "/api/v1/health", timeout=1).ok, what="server")
+    import tomllib
+    token = tomllib.loads((home / "server.toml").read_text())["admin_token"]
+    agent = subprocess.Popen(
+        [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
+         "--name", "bench", "--home", str(home), "--fake-gpus", str(slots),
+         "--heartbeat", "2", "--stats-interval", "30"],
+        cwd=ROOT, env=env, stdout=open(home / "agent.log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    s = requests.Session()
+    s.headers["Authorization"] = f"Bearer {token}"
+
+    def node_ready():
+        nodes = s.get(url + "/api/v1/nodes", timeout=2).json()["nodes"]
+        return nodes and nodes[0]["state"] == "connected" and nodes[0]["synced"]
+    wait(node_ready, what="agent")
+    return url, s, [agent, server]
+
+
+def submit(s, url, command, workdir):
+    r = s.post(url + "/api/v1/jobs", json={"command": command, "working_dir": str(workdir),
+                                           "gpus": 1, "name": "bench"}, timeout=30)
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=50)
+    ap.add_argument("--drain", type=int, default=200)
+    ap.add_argument("--slots", type=int, default=4)
+    args = ap.parse_args()
+
+    home = pathlib.Path(tempfile.mkdtemp(prefix="gpuplane-bench-"))
+    work = home / "work"
+    work.mkdir()
+    url, s, procs = start_platform(home, args.slots)
+    try:
+        # 1. submit → start latency, one job at a time on an idle node
+        stamp = ("import sys, time; open(sys.argv[1], 'w').write(repr(time.time()))")
+        lat = []
+        for i in range(args.jobs):
+            marker = work / f"start-{i}"
+            t0 = time.time()
+            job_id = submit(s, url, [sys.executable, "-c", stamp, str(marker)], work)
+            wait(lambda: marker.exists() and marker.read_text(), what=f"job {job_id} start")
+            lat.append(float(marker.read_text()) - t0)
+            wait(lambda: s.get(f"{url}/api/v1/jobs/{job_id}", timeout=5).json()["state"]
+                 == "SUCCEEDED", what=f"job {job_id} end")
+        # the same start, directly: process creation up to the first statement
+        direct = []
+        for i in range(args.jobs):
+            marker = work / f"direct-{i}"
+            t0 = time.time()
+            subprocess.run([sys.executable, "-c", stamp, str(marker)], cwd=work, check=True)
+            direct.append(float(marker.read_text()) - t0)
+
+        # 2. drain N trivial jobs through the slots
+        trivial = [sys.executable, "-c", "pass"]
+        t0 = time.monotonic()
+        ids = [submit(s, url, trivial, work) for _ in range(args.drain)]
+        last = ids[-1]
+
+        def drained():
+            jobs = s.get(f"{url}/api/v1/jobs?limit={args.drain + 10}", timeout=10).json()["jobs"]
+            done = [j for j in jobs if j["id"] in set(ids) and j["state"] == "SUCCEEDED"]
+            return len(done) == len(ids)
+        wait(drained, timeout=600, what=f"{args.drain} jobs drained (last {last})")
+        drain_s = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:
+            list(pool.map(lambda _: subprocess.run(trivial, cwd=work, check=True),
+                          range(args.drain)))
+        direct_drain_s = time.monotonic() - t0
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(15)
+
+    ms = lambda v: f"{v * 1000:.1f} ms"
+    print(f"submit → process start over {args.jobs} jobs, idle node with {args.slots} fake GPUs")
+    print(f"  gpuplane : median {ms(statistics.median(lat))}, p95 {ms(pct(lat, 95))}")
+    print(f"  direct   : median {ms(statistics.median(direct))}, p95 {ms(pct(direct, 95))}"
+          "   (subprocess.run of the same command)")
+    print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
+    print(f"drain {args.drain} trivial jobs through {args.slots} slots")
+    print(f"  gpuplane : {drain_s:.2f} s ({args.drain / drain_s:.1f} jobs/s)")
+    print(f"  direct   : {direct_drain_s:.2f} s ({args.drain / direct_drain_s:.1f} jobs/s)"
+          f"   ({args.slots} subprocess.run at a time)")
+    print(f"  ratio    : {drain_s / direct_drain_s:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
