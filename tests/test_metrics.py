@@ -179,10 +179,10 @@ def test_out_of_order_and_replaced_points_reach_rollups(client, db):
     top = db.query("SELECT count, min FROM rollups r JOIN metric_rollup m USING (key_id)"
                    " WHERE r.width = m.top_width")
     assert sum(r[0] for r in top) == 4000 and min(r[1] for r in top) == -50.0
-    # The replaced point's level-4 bucket was recomputed.
-    b = db.query_one("SELECT min, max, count, last FROM rollups WHERE width = 4 AND bucket = ?",
-                     (1234 // 4,))
-    assert tuple(b) == (-50.0, 2.0, 4, 2.0)
+    # The replaced point's base bucket was recomputed.
+    b = db.query_one("SELECT min, max, count, last FROM rollups WHERE width = ? AND bucket = ?",
+                     (metrics.BASE, 1234 // metrics.BASE))
+    assert tuple(b) == (-50.0, 2.0, metrics.BASE, 2.0)
     summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
     assert summary["best"] == {"step": 1234, "value": -50.0}
 
@@ -219,7 +219,7 @@ def test_retention_prunes_raw_and_keeps_rollups(client, db, app):
     assert summary["best"]["value"] == 0.0
     # A narrow old range can no longer be raw: it comes from the finest level.
     s = get(client, f"/api/v1/runs/{run}/metrics/m?from_step=0&to_step=40")
-    assert s["level"] == 4 and s["points"][0][1:4] == [0.0, 3.0, 1.5]
+    assert s["level"] == 16 and s["points"][0][1:4] == [0.0, 15.0, 7.5]
     # Keep-forever is the default.
     assert Rollup(db, {}).prune(now=recent * 2) == 0
     assert Rollup(db, {"raw_retention_days": 0}).prune(now=recent * 2) == 0
@@ -235,11 +235,9 @@ def test_nan_and_infinities_roundtrip(client, db):
     s = get(client, f"/api/v1/runs/{run}/metrics/m")
     assert [p[1] for p in s["points"]] == ["NaN", "NaN", "Infinity", "-Infinity", 1.5]
     metrics.roll_up(db)
-    bucket = db.query_one("SELECT min, max, count, vcount, last FROM rollups"
-                          " WHERE width = 4 AND bucket = 0")
-    assert tuple(bucket) == (-math.inf, math.inf, 4, 2, -math.inf)
-    only_nan = db.query_one("SELECT min, last FROM rollups WHERE width = 4 AND bucket = 1")
-    assert tuple(only_nan) == (1.5, 1.5)
+    bucket = db.query_one("SELECT min, max, sum, count, vcount, last FROM rollups"
+                          " WHERE width = 16 AND bucket = 0")
+    assert tuple(bucket) == (-math.inf, math.inf, None, 5, 3, 1.5)   # inf - inf is NaN
     summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
     assert summary["latest"]["value"] == 1.5
     post(client, run, ["m"], [[0, 5, float("nan"), 1]])
@@ -414,3 +412,17 @@ def test_rollup_thread_survives_a_failing_tick(db, monkeypatch):
     finally:
         r.stop()
     assert not r._thread.is_alive()
+
+
+def test_sparse_steps_still_fill_the_answer(client, db):
+    run = new_run(client)
+    with db.tx() as c:
+        metrics.ingest(c, run, ["eval/loss"], [[0, s * 1000, 1.0 / (1 + s), TS]
+                                              for s in range(20_000)])
+    metrics.roll_up(db)
+    s = get(client, f"/api/v1/runs/{run}/metrics/eval/loss?max_points=500")
+    assert 250 <= len(s["points"]) <= 500
+    assert sum(p[5] for p in s["points"]) == 20_000
+    s = get(client, f"/api/v1/runs/{run}/metrics/eval/loss?from_step=5000000&to_step=5099999")
+    assert s["level"] == 1 and [p[0] for p in s["points"]] == list(range(5_000_000, 5_100_000,
+                                                                         1000))

@@ -3,7 +3,7 @@
 Storage (docs/metrics.md):
 - `points` holds raw points, one per (key, step); a NULL value means NaN (SQLite turns a
   NaN into NULL, and every point has a value, so nothing else can be NULL).
-- `rollups` holds fixed-width step buckets at widths 4, 16, 64, ... (bucket = step // width)
+- `rollups` holds fixed-width step buckets at widths 16, 64, 256, ... (bucket = step // width)
   with first/last step, min, max, sum, count, vcount (non-NaN count) and last value.
   Min/max/mean ignore NaN; a bucket of only NaN has NULL (NaN) min/max/mean.
 - Ingest appends one `metric_dirty` row (key, lo, hi) per key per batch. `roll_up` (run by
@@ -16,8 +16,11 @@ from itertools import chain, repeat
 
 MAX_KEYS = 10_000
 MAX_STEP = 2**63 - 1
-# Level widths: 4, 16, 64, ... 4**31 (the last below 2**63).
-LEVELS = [4**j for j in range(1, 32)]
+# Level widths: 16, 64, 256, ... 4**31 (the last below 2**63). The base level is 16, not
+# 4: it is the one written from raw points, and a quarter as many rows to write matters
+# more than the finer answers a level of 4 would give (raw covers those, see series()).
+LEVELS = [4**j for j in range(2, 32)]
+BASE = LEVELS[0]
 # The rollup recomputes level 4 .. CHUNK from raw in step spans of CHUNK, one transaction
 # each, so an ingest never waits long for the write lock.
 CHUNK = 4**8
@@ -239,16 +242,6 @@ def _merge_ranges(ranges, gap=CHUNK):
     return out
 
 
-_FROM_RAW = """
-INSERT OR REPLACE INTO rollups
-    (key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last)
-SELECT g.key_id, 4, g.b, g.fs, g.ls, g.mn, g.mx, g.sm, g.n, g.nv, p.value
-FROM (SELECT key_id, step / 4 AS b, min(step) AS fs, max(step) AS ls, min(value) AS mn,
-             max(value) AS mx, sum(value) AS sm, count(*) AS n, count(value) AS nv
-      FROM points WHERE key_id = :k AND step BETWEEN :lo AND :hi GROUP BY step / 4) AS g
-JOIN points AS p ON p.key_id = g.key_id AND p.step = g.ls
-"""
-
 _FROM_LEVEL = """
 INSERT OR REPLACE INTO rollups
     (key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last)
@@ -261,25 +254,39 @@ FROM (SELECT key_id, bucket / 4 AS b, min(first_step) AS fs, max(last_step) AS l
 JOIN rollups AS c ON c.key_id = g.key_id AND c.width = :w AND c.bucket = g.ls / :w
 """
 
+_INSERT_BUCKETS = ("INSERT OR REPLACE INTO rollups (key_id, width, bucket, first_step, last_step,"
+                   " min, max, sum, count, vcount, last) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
 
-def _roll_span(conn, key_id, lo, hi, widths, skip_to=-1):
-    """Recompute the buckets of levels `widths` (ascending, from 4) covering [lo, hi].
 
-    Buckets holding a step <= skip_to (raw points pruned by retention) are kept as they are.
+def _roll_chunk(db, key_id, lo, hi, widths, skip_to=-1):
+    """Recompute the buckets of levels `widths` (ascending, from BASE) covering [lo, hi].
+
+    The base level is aggregated from raw points outside the write lock (the GROUP BY is
+    the costly part; a stale read is redone by the next tick, whose dirty range covers
+    it), then written with the levels above in one short transaction. Buckets holding a
+    step <= skip_to (raw points pruned by retention) are kept as they are.
     """
-    prev = None
+    b_lo, b_hi = lo // BASE, hi // BASE
+    if skip_to >= 0:
+        b_lo = max(b_lo, skip_to // BASE + 1)
+        if b_lo > b_hi:
+            return
+    rows = _agg_raw(db.conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
+    with db.tx() as conn:
+        conn.executemany(_INSERT_BUCKETS, [(key_id, BASE, *r) for r in rows])
+        _roll_levels(conn, key_id, lo, hi, widths[1:], skip_to)
+
+
+def _roll_levels(conn, key_id, lo, hi, widths, skip_to):
+    """Levels above BASE, each from the one below it."""
     for w in widths:
         b_lo, b_hi = lo // w, hi // w
         if skip_to >= 0:
             b_lo = max(b_lo, skip_to // w + 1)
             if b_lo > b_hi:
                 break
-        if prev is None:
-            conn.execute(_FROM_RAW, {"k": key_id, "lo": b_lo * 4, "hi": b_hi * 4 + 3})
-        else:
-            conn.execute(_FROM_LEVEL, {"k": key_id, "w": prev, "lo": b_lo * 4,
-                                       "hi": b_hi * 4 + 3})
-        prev = w
+        conn.execute(_FROM_LEVEL, {"k": key_id, "w": w // 4, "lo": b_lo * 4,
+                                   "hi": b_hi * 4 + 3})
 
 
 def _top_width(max_step):
@@ -317,11 +324,10 @@ def roll_key(db, key_id, ranges):
     for lo, hi in spans:
         # Levels up to CHUNK align inside a CHUNK-wide span: one short transaction each.
         for c0 in range(lo - lo % CHUNK, hi + 1, CHUNK):
-            with db.tx() as conn:
-                _roll_span(conn, key_id, max(lo, c0), min(hi, c0 + CHUNK - 1), fine, pruned)
+            _roll_chunk(db, key_id, max(lo, c0), min(hi, c0 + CHUNK - 1), fine, pruned)
         if coarse:
             with db.tx() as conn:
-                _roll_span_from(conn, key_id, lo, hi, coarse, pruned)
+                _roll_levels(conn, key_id, lo, hi, coarse, pruned)
     if new_top > top and top:
         # A new coarser level is built over the whole history from the one below it.
         with db.tx() as conn:
@@ -334,25 +340,14 @@ def roll_key(db, key_id, ranges):
             " top_width = max(top_width, excluded.top_width)", (key_id, max_hi, new_top))
 
 
-def _roll_span_from(conn, key_id, lo, hi, widths, skip_to):
-    for w in widths:
-        b_lo, b_hi = lo // w, hi // w
-        if skip_to >= 0:
-            b_lo = max(b_lo, skip_to // w + 1)
-            if b_lo > b_hi:
-                break
-        conn.execute(_FROM_LEVEL, {"k": key_id, "w": w // 4, "lo": b_lo * 4,
-                                   "hi": b_hi * 4 + 3})
-
-
 def prune_raw(db, older_than_ms):
     """Delete raw points older than `older_than_ms` (their ts) that are already rolled up;
     rollups stay. Returns the number of points deleted."""
     deleted = 0
     for key_id, rolled in db.query("SELECT key_id, rolled_step FROM metric_rollup"
                                    " WHERE rolled_step >= 0"):
-        # Only whole level-4 buckets below the rolled step: a partial one is still read raw.
-        upto = (rolled + 1) // 4 * 4 - 1
+        # Only whole base buckets below the rolled step: a partial one is still read raw.
+        upto = (rolled + 1) // BASE * BASE - 1
         if upto < 0:
             continue
         with db.tx() as conn:
@@ -412,7 +407,7 @@ def _span(conn, key_id, pruned):
     hi = conn.execute("SELECT max(step) FROM points WHERE key_id = ?", (key_id,)).fetchone()[0]
     if pruned >= 0:
         r = conn.execute("SELECT min(first_step), max(last_step) FROM rollups"
-                         " WHERE key_id = ? AND width = 4", (key_id,)).fetchone()
+                         " WHERE key_id = ? AND width = ?", (key_id, BASE)).fetchone()
         if r[0] is not None:
             lo = r[0] if lo is None else min(lo, r[0])
             hi = r[1] if hi is None else max(hi, r[1])
@@ -453,22 +448,21 @@ def series(db, key_id, max_points=1000, from_step=None, to_step=None):
             chosen = w
             break
     if chosen is None:
-        if top == 0 or pruned < lo:
-            # Raw covers the range: with no level dense enough, raw is at most 2*max_points
-            # points, or there are no rollups yet and raw is grouped on the fly.
-            chosen = 1
-            if top == 0:
-                n = conn.execute("SELECT count(*) FROM points WHERE key_id = ? AND step"
-                                 " BETWEEN ? AND ?", (key_id, lo, hi)).fetchone()[0]
-                chosen = 1 if n <= max_points else next(
-                    (w for w in LEVELS if (hi // w - lo // w + 1) <= 2 * max_points), LEVELS[-1])
+        if top and pruned >= lo:
+            chosen = BASE              # raw is gone there: the finest stored level
         else:
-            chosen = 4
+            # Raw covers the range: widths below the base level, or no rollups yet, are
+            # grouped from raw on the fly (with rollups present, at most 8 * max_points).
+            n = conn.execute("SELECT count(*) FROM points WHERE key_id = ? AND step"
+                             " BETWEEN ? AND ?", (key_id, lo, hi)).fetchone()[0]
+            chosen = 1 if n <= 2 * max_points else next(
+                (w for w in [4, *LEVELS] if (hi // w - lo // w + 1) <= 2 * max_points),
+                LEVELS[-1])
     w = chosen
-    if w == 1:
-        rows = _agg_raw(conn, key_id, 1, lo, hi)
-    else:
+    if w >= BASE and top:
         rows = _rows_at(conn, key_id, w, lo, hi, rolled, top)
+    else:
+        rows = _agg_raw(conn, key_id, w, lo, hi)
     return _merge(rows, w, max_points)
 
 
@@ -577,9 +571,9 @@ def key_summary(db, key_id, key):
     if latest is not None and last_step is not None and latest[0] < last_step:
         latest = None
     if latest is None and last_step is not None:
-        # The newest raw point was pruned: the last level-4 bucket still knows it.
-        r = conn.execute("SELECT last_step, last FROM rollups WHERE key_id = ? AND width = 4"
-                         " ORDER BY bucket DESC LIMIT 1", (key_id,)).fetchone()
+        # The newest raw point was pruned: the last base bucket still knows it.
+        r = conn.execute("SELECT last_step, last FROM rollups WHERE key_id = ? AND width = ?"
+                         " ORDER BY bucket DESC LIMIT 1", (key_id, BASE)).fetchone()
         latest = (r[0], r[1], None) if r else None
     return {
         "key": key,
@@ -601,7 +595,7 @@ def _best_step(conn, key_id, d, best):
     bucket = row[0]
     order = "ASC" if d == "min" else "DESC"
     col = "min" if d == "min" else "max"
-    while w > 4:
+    while w > BASE:
         w //= 4
         child = conn.execute(
             f"SELECT bucket FROM rollups WHERE key_id = ? AND width = ? AND bucket BETWEEN ? AND ?"
@@ -614,11 +608,12 @@ def _best_step(conn, key_id, d, best):
         return row[1]
     r = conn.execute(
         f"SELECT step FROM points WHERE key_id = ? AND step BETWEEN ? AND ? AND value IS NOT NULL"
-        f" ORDER BY value {order}, step LIMIT 1", (key_id, bucket * 4, bucket * 4 + 3)).fetchone()
+        f" ORDER BY value {order}, step LIMIT 1",
+        (key_id, bucket * BASE, bucket * BASE + BASE - 1)).fetchone()
     if r is not None:
         return r[0]
-    r = conn.execute("SELECT first_step FROM rollups WHERE key_id = ? AND width = 4 AND bucket = ?",
-                     (key_id, bucket)).fetchone()
+    r = conn.execute("SELECT first_step FROM rollups WHERE key_id = ? AND width = ? AND bucket = ?",
+                     (key_id, BASE, bucket)).fetchone()
     return r[0] if r else row[1]
 
 
