@@ -426,3 +426,36 @@ def test_sparse_steps_still_fill_the_answer(client, db):
     s = get(client, f"/api/v1/runs/{run}/metrics/eval/loss?from_step=5000000&to_step=5099999")
     assert s["level"] == 1 and [p[0] for p in s["points"]] == list(range(5_000_000, 5_100_000,
                                                                          1000))
+
+
+def test_rollup_thread_keeps_up_with_concurrent_ingest(client, db):
+    from conftest import wait_for
+    run = new_run(client)
+    rollup = Rollup(db, {})
+    rollup.interval = 0.01
+    rollup.start()
+    try:
+        expect = {}
+        for b in range(30):
+            # Forward batches, a late batch filling gaps, and replacements of old steps.
+            steps = range(b * 700, b * 700 + 700, 2) if b % 3 else range(b * 700 - 699, b * 700, 2)
+            pts = [[0, s, float((s * 31) % 97), TS] for s in steps if s >= 0]
+            pts += [[0, b * 10, -float(b), TS]]
+            for _, s, v, _ in pts:
+                expect[s] = v
+            post(client, run, ["m"], pts)
+        wait_for(lambda: db.query_one("SELECT count(*) FROM metric_dirty")[0] == 0, 30,
+                 what="the rollup thread to drain the dirty ranges")
+    finally:
+        rollup.stop()
+    top = db.query("SELECT r.count, r.min, r.max FROM rollups r JOIN metric_rollup m"
+                   " USING (key_id) WHERE r.width = m.top_width")
+    assert sum(r[0] for r in top) == len(expect) == count_points(db)
+    assert min(r[1] for r in top) == min(expect.values())
+    assert max(r[2] for r in top) == max(expect.values())
+    base = {r[0]: tuple(r[1:]) for r in db.query(
+        "SELECT bucket, count, min, max, last FROM rollups WHERE width = ?", (metrics.BASE,))}
+    for bucket, (n, mn, mx, last) in base.items():
+        vals = [(s, v) for s, v in expect.items() if s // metrics.BASE == bucket]
+        assert n == len(vals) and mn == min(v for _, v in vals) and mx == max(v for _, v in vals)
+        assert last == max(vals)[1]
