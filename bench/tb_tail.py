@@ -2,7 +2,10 @@
 
     .venv/bin/python bench/tb_tail.py [--scalars 1000000] [--reps 3] [--loader-reps 1]
 
-Writes a v1 (simple_value) event file with several tags, then reads it whole.
+Writes a v1 (simple_value) event file with several tags, then reads it whole with each
+reader. EventFileLoader is the reader LIBRARIES.md names (it converts every v1 value to a
+v2 tensor); LegacyEventFileLoader is the same record reader without that conversion.
+Results are in docs/tensorboard.md.
 """
 import argparse
 import importlib.util
@@ -86,6 +89,20 @@ def time_loader(path):
     return time.perf_counter() - t, n
 
 
+def time_legacy_loader(path):
+    """The raw loader: same pure-Python CRC, without EventFileLoader's v1 -> v2 conversion."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    t = time.perf_counter()
+    n = 0
+    for ev in LegacyEventFileLoader(path).Load():
+        for v in ev.summary.value:
+            if v.HasField("simple_value"):
+                v.simple_value
+                n += 1
+    return time.perf_counter() - t, n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--scalars", type=int, default=1_000_000)
@@ -114,12 +131,20 @@ def main():
             assert n == args.scalars, n
             theirs.append(n / secs)
 
-    a, b = statistics.median(ours), statistics.median(theirs)
+        legacy = []
+        for _ in range(args.loader_reps):
+            secs, n = time_legacy_loader(path)
+            assert n == args.scalars, n
+            legacy.append(n / secs)
+
+    a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(legacy)
     print(f"TBTailer.poll (crc32c: {crc}): {a:,.0f} scalars/s  (median of {len(ours)}: "
           + ", ".join(f"{x:,.0f}" for x in ours) + ")")
     print(f"EventFileLoader:              {b:,.0f} scalars/s  (median of {len(theirs)}: "
           + ", ".join(f"{x:,.0f}" for x in theirs) + ")")
-    print(f"ratio: {a / b:.1f}x")
+    print(f"LegacyEventFileLoader (raw):  {c:,.0f} scalars/s  (median of {len(legacy)}: "
+          + ", ".join(f"{x:,.0f}" for x in legacy) + ")")
+    print(f"ratio: {a / b:.1f}x EventFileLoader, {a / c:.1f}x LegacyEventFileLoader")
 
 if __name__ == "__main__":
     main()
