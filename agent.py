@@ -219,14 +219,14 @@ class Worker:
 # `snapshot_seq`; on start the spool records above snapshot_seq are folded on top of it.
 
 class Outbox:
-    def __init__(self, agent_dir, compact_every_s=5.0):
+    def __init__(self, agent_dir, compact_min=1000):
         self.dir = agent_dir
         self.spool_dir = os.path.join(agent_dir, "spool")
         self.spool_path = os.path.join(self.spool_dir, "outbox.jsonl")
         self.state_path = os.path.join(agent_dir, "state.json")
         os.makedirs(self.spool_dir, exist_ok=True)
         self.lock = threading.RLock()
-        self.compact_every_s = compact_every_s
+        self.compact_min = compact_min
         self.epoch = None
         self.next_seq = 1
         self.acked = 0
@@ -234,7 +234,6 @@ class Outbox:
         self._pending = []        # [seq, full record dict, wire json] with seq > acked
         self._spool = None
         self._dropped_lines = 0   # acked lines still in the spool file
-        self._last_compact = 0.0
         self.last_job_seq = 0     # seq of the newest `job` record
         self._load()
 
@@ -394,8 +393,9 @@ class Outbox:
             del self._pending[:n]
             self._dropped_lines += n
             self.acked = seq
-            if (not self._pending or self._dropped_lines >= 5000
-                    or time.monotonic() - self._last_compact > self.compact_every_s):
+            # rewriting costs the pending records, so do it when that is cheap or amortised
+            if not self._pending or self._dropped_lines >= max(self.compact_min,
+                                                               len(self._pending)):
                 self._rewrite()
 
     def restart_epoch(self, reason):
@@ -431,7 +431,6 @@ class Outbox:
             self._dropped_lines = 0
         if self._spool is None or self._spool.closed:
             self._spool = open(self.spool_path, "ab")
-        self._last_compact = time.monotonic()
 
     def close(self):
         with self.lock:

@@ -146,7 +146,7 @@ def test_outbox_torn_last_line_skipped_with_one_warning(tmp_path, caplog):
 
 def test_outbox_compaction_keeps_unacked(tmp_path):
     d = str(tmp_path / "agent")
-    ob = agent.Outbox(d, compact_every_s=0)
+    ob = agent.Outbox(d, compact_min=1)
     for i in range(10):
         ob.append("log", {"job_id": 1, "attempt": 1, "lines": []},
                   att={"key": "1/1", "offset": i + 1, "line_no": i + 1})
@@ -764,3 +764,28 @@ def test_cli_reads_agent_toml_and_stops_on_sigterm(tmp_path, server):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_server_cursor_behind_acked_starts_a_new_epoch(tmp_path, server):
+    home = tmp_path / "home"
+    a = make_agent(home, server)
+    for i in range(3):
+        a.outbox.append("event", {"run_id": None, "job_id": None, "type": f"E{i}",
+                                  "severity": "info", "message": "", "data": {}})
+    a.start()
+    server.wait_for(lambda: server.syncs, what="first sync")
+    server.wait_for(lambda: a.outbox.acked == 3, what="acked")
+    a.stop()
+    old_epoch = a.outbox.epoch
+    with server.lock:                 # the server's database was restored from a backup
+        server.cursor = 1
+    b = make_agent(home, server)
+    b.outbox.append("event", {"run_id": None, "job_id": None, "type": "AFTER",
+                              "severity": "info", "message": "", "data": {}})
+    b.start()
+    try:
+        server.wait_for(lambda: len(server.syncs) >= 2, what="sync after new epoch")
+        assert b.outbox.epoch != old_epoch and server.epoch == b.outbox.epoch
+        assert server.records()[-1]["type"] == "AFTER" and server.records()[-1]["seq"] == 1
+    finally:
+        b.stop()
