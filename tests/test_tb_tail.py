@@ -448,3 +448,16 @@ def test_directory_tree_is_rescanned_only_every_rescan_s(tmp_path):
     assert t.poll() == []          # growing files are read each poll; the tree is walked rarely
     t._next_scan = 0.0             # as if rescan_s had passed
     assert keyed(t.poll()) == [("late/loss", 0, 1.0)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_no_file_descriptors_held_between_polls(tmp_path):
+    files = [new_event_file(tmp_path / f"run{i}") for i in range(5)]
+    t = TBTailer(tmp_path, rescan_s=0)
+    t.poll()
+    before = len(os.listdir("/proc/self/fd"))
+    for step in range(30):
+        for p in files:
+            append(p, record(event(step, loss=step)))
+        assert len(t.poll()) == 5
+    assert len(os.listdir("/proc/self/fd")) == before
