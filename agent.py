@@ -967,9 +967,12 @@ class Runner(Worker):
         points = att.tb.poll()
         for i in range(0, len(points), 5000):
             chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + 5000]]
+            last = i + 5000 >= len(points)
+            # offsets ride on the last chunk only: a crash in between re-reads the poll,
+            # and the server's (run, key, step) upsert absorbs the repeat
             self.outbox.append("metrics", {"run_id": att.run_id, "source": "tb",
                                            "points": chunk},
-                               att={"key": att.key, "tb": dict(att.tb.offsets)})
+                               att={"key": att.key, "tb": dict(att.tb.offsets)} if last else None)
         att.tb_offsets = dict(att.tb.offsets)
 
     def _checkpoint_hook(self, att):

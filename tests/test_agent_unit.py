@@ -163,7 +163,8 @@ def test_outbox_compaction_keeps_unacked(tmp_path):
     ob2.ack(10)
     assert os.path.getsize(os.path.join(d, "spool", "outbox.jsonl")) == 0
     ob3 = agent.Outbox(d)
-    assert ob3.next_seq == 11 and ob3.epoch == ob.epoch and ob3.attempt_state("1/1")["line_no"] == 10
+    assert ob3.next_seq == 11 and ob3.epoch == ob.epoch
+    assert ob3.attempt_state("1/1")["line_no"] == 10
 
 
 def test_outbox_new_epoch_only_without_state(tmp_path):
