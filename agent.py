@@ -1301,6 +1301,9 @@ class Connection:
                           self.config.server, e.message)
             else:
                 log.warning("connection closed by server: %s %s", e.reason, e.message or "")
+        elif isinstance(e, ConnectionError) and e.args and e.args[0] in (401, 403):
+            log.error("server %s refused the agent token (HTTP %s); check --token",
+                      self.config.server, e.args[0])
         elif isinstance(e, (OSError, ConnectionError)):
             log.warning("cannot reach %s: %s", self.url, e)
         else:
