@@ -34,12 +34,14 @@ def create_app(home=None, start_threads=True, **overrides):
     # the scheduler. Imported here so the CLI's import of this module stays light.
     from .gateway import Gateway
     from .hub import Hub
+    from .rollup import Rollup
     from .scheduler import Scheduler
     hub = Hub()
     gateway = Gateway(db, hub, cfg)
     scheduler = Scheduler(db, gateway, cfg)
     gateway.scheduler = scheduler
-    app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler)
+    rollup = Rollup(db, cfg)
+    app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup)
 
     for bp in blueprints():
         app.register_blueprint(bp)
@@ -52,9 +54,11 @@ def create_app(home=None, start_threads=True, **overrides):
         return {"name": "gpuplane", "version": __version__, "api": "/api/v1/"}
     index.required_scope = "public"
 
+    threads = [scheduler, rollup]
     if start_threads:
-        scheduler.start()
-    app.config["THREADS"] = [scheduler]
+        for t in threads:
+            t.start()
+    app.config["THREADS"] = threads
     if created:
         log.warning("wrote a new admin token to %s", home / "server.toml")
     return app
