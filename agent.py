@@ -617,7 +617,8 @@ class Attempt:
 
 class Runner(Worker):
     name = "gpuplane-agent-runner"
-    interval = 0.5
+    # How soon an exit or new log lines are noticed: a few stats per running attempt.
+    interval = 0.1
 
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
                  hook_interval_s=2.0, shim_argv=None):
@@ -1384,7 +1385,8 @@ class Connection:
                             self.ack_timeout_s)
                 return
             more = inflight is None and self.outbox.last_seq > sent_upto
-            msg = self._receive(0.02 if more else 0.25)
+            # Short waits: new outbox records (an exit, log lines) go out within ~50 ms.
+            msg = self._receive(0.02 if more else 0.05)
             if msg is None:
                 if not self._ws.connected:
                     return
