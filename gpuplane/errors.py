@@ -3,6 +3,7 @@ import logging
 
 from flask import jsonify
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import IntegerConverter, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,23 @@ def error_response(status, code, message):
     return resp
 
 
+class _Int64Converter(IntegerConverter):
+    """`<int:...>` that matches only what fits an SQLite INTEGER: a larger id is a 404,
+    not an OverflowError deep in a query."""
+
+    def to_python(self, value):
+        v = super().to_python(value)
+        if v > MAX_INT:
+            raise ValidationError()
+        return v
+
+
+MAX_INT = 2**63 - 1
+
+
 def register(app):
+    # Before any route is added: rules pick their converters when they are added.
+    app.url_map.converters["int"] = _Int64Converter
     @app.errorhandler(ApiError)
     def _api_error(e):
         return error_response(e.status, e.code, e.message)

@@ -6,22 +6,32 @@ as it is connected; the scheduler and the REST routes send commands through `sen
 """
 import json
 import logging
+import sqlite3
 import threading
 import time
 
-from flask import request
+from flask import g, request
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
 from .auth import requires
+from .errors import ApiError
 from .db import events, jobs, logs, metrics, nodes, now_ms
 
 log = logging.getLogger(__name__)
 
 WS_PATH = "/api/v1/agent/ws"
 MAX_FRAME = 8 * 1024 * 1024
-CLOSE_UNSUPPORTED, CLOSE_TOO_BIG, CLOSE_PROTOCOL = 1003, 1009, 4400
+CLOSE_UNSUPPORTED, CLOSE_TOO_BIG, CLOSE_PROTOCOL, CLOSE_UNAUTHORIZED = 1003, 1009, 4400, 4401
 RECORD_KINDS = ("job", "log", "metrics", "node_stats", "checkpoint", "event")
+
+
+# What a record with missing, mistyped or out-of-range fields raises while it is applied
+# (OverflowError: an int SQLite cannot hold; IntegrityError: a NULL where one is not
+# allowed; ProgrammingError: a list or dict bound as a value). OperationalError (disk
+# full, I/O) is not here: that is the server's trouble, and the agent resends later.
+MALFORMED = (KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError,
+             sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)
 
 
 class ProtocolError(Exception):
@@ -93,10 +103,22 @@ class Gateway:
         @app.before_request
         def _agent_auth():
             if request.path == WS_PATH:
-                requires("agent")(lambda: None)()
+                try:
+                    requires("agent")(lambda: None)()
+                except ApiError as e:
+                    if request.headers.get("Upgrade", "").lower() != "websocket":
+                        raise
+                    # docs/protocol.md: a refused token is a close with 4401 and a
+                    # reason, which the agent can tell from a network failure
+                    g.agent_auth_error = e
 
         @sock.route(WS_PATH)
         def agent_ws(ws):
+            err = g.pop("agent_auth_error", None)
+            if err is not None:
+                log.warning("agent connection refused: %s", err.message)
+                _close(ws, CLOSE_UNAUTHORIZED, err.message)
+                return
             self.handle(ws)
         app.view_functions["agent_ws"].required_scope = "agent"
 
@@ -157,6 +179,14 @@ class Gateway:
         gpus = msg.get("gpus") or []
         if not isinstance(gpus, list) or not all(isinstance(x, dict) for x in gpus):
             raise _protocol("'gpus' must be a list of objects")
+        slots = msg.get("cpu_slots")
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool)
+                                  or not 0 <= slots <= 4096):
+            raise _protocol("'cpu_slots' must be an integer from 0 to 4096")
+        for name in ("hostname", "version"):
+            if msg.get(name) is not None and (not isinstance(msg[name], str)
+                                              or len(msg[name]) > 200):
+                raise _protocol(f"'{name}' must be a string of at most 200 characters")
         cursor = nodes.hello(self.db, msg)
         conn = AgentConnection(ws, node)
         with self._lock:
@@ -227,7 +257,7 @@ class Gateway:
                     w, p = self._apply_record(c, node, rec)
                     wake, published = wake or w, published or p
                     c.execute("RELEASE rec")
-                except (KeyError, TypeError, ValueError) as e:
+                except MALFORMED as e:
                     # A malformed record must not wedge the node's outbox forever.
                     c.execute("ROLLBACK TO rec")
                     c.execute("RELEASE rec")
@@ -295,8 +325,8 @@ class Gateway:
         """After a (re)connect and a drained outbox: compare what the agent runs with what
         the server believes. Returns the commands to send."""
         try:
-            running = {(int(r["job_id"]), int(r["attempt"])) for r in msg.get("running", [])}
-            known = {(int(a), int(b)) for a, b in msg.get("known", [])}
+            running = {(_id(r["job_id"]), _id(r["attempt"])) for r in msg.get("running", [])}
+            known = {(_id(a), _id(b)) for a, b in msg.get("known", [])}
         except (KeyError, TypeError, ValueError):
             raise _protocol("sync needs 'running' [{job_id, attempt}] and 'known' "
                             "[[job_id, attempt]]") from None
@@ -326,6 +356,13 @@ class Gateway:
         nodes.set_synced(self.db, node)
         self.hub.publish()
         return commands
+
+
+def _id(v):
+    i = int(v)
+    if not 0 <= i < 2**63:
+        raise ValueError(f"{v!r} is not an id")
+    return i
 
 
 def _protocol(message, code=CLOSE_PROTOCOL):

@@ -64,6 +64,8 @@ def query_int(name, default, *, min=None, max=None):
         v = int(raw)
     except ValueError:
         raise BadRequest(f"query parameter '{name}' must be an integer, got {raw[:40]!r}") from None
+    if not -2**63 <= v < 2**63:
+        raise BadRequest(f"query parameter '{name}' is out of range")
     if min is not None and v < min:
         raise BadRequest(f"query parameter '{name}' must be at least {min}")
     if max is not None and v > max:
