@@ -8,7 +8,6 @@ v2 tensor); LegacyEventFileLoader is the same record reader without that convers
 Results are in docs/tensorboard.md.
 """
 import argparse
-import importlib.util
 import os
 import pathlib
 import statistics
@@ -21,15 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def load_tailer():
     sys.path.insert(0, str(ROOT))
-    try:
-        from agent import TBTailer
-    except ImportError:
-        TBTailer = None
-    if TBTailer is None:
-        spec = importlib.util.spec_from_file_location("tbtail", ROOT / ".scratch" / "tbtail.py")
-        mod = sys.modules["tbtail"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        TBTailer = mod.TBTailer
+    from agent import TBTailer
     return TBTailer
 
 

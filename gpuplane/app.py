@@ -1,6 +1,5 @@
 """The Flask app factory: config, database, background threads, routes, errors."""
 import logging
-import os
 import pathlib
 
 from flask import Flask, send_from_directory

@@ -13,16 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-try:
-    from agent import TBTailer            # after the lead moves it into agent.py
-except ImportError:
-    TBTailer = None
-if TBTailer is None:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("tbtail", ROOT / ".scratch" / "tbtail.py")
-    _mod = sys.modules["tbtail"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(_mod)
-    TBTailer = _mod.TBTailer
+from agent import TBTailer
 tb = sys.modules[TBTailer.__module__]     # the module holding it: its knobs and helpers
 
 from tensorboard.compat.proto import event_pb2, summary_pb2
