@@ -812,7 +812,7 @@ class Runner(Worker):
         if att.pid() and not att.running_reported:
             self._report_running(att)     # a fast job: say it ran before it ended
         self._tail(att, at_eof=True)
-        self._hooks(att)
+        self._hooks(att, final=True)
         if exit_info.get("failure_kind") == "LOST":
             kind, message = "LOST", exit_info["message"]
         else:
@@ -941,11 +941,11 @@ class Runner(Worker):
 
     # -- hooks: TensorBoard and checkpoints ------------------------------------------------
 
-    def _hooks(self, att):
+    def _hooks(self, att, final=False):
         if att.run_id is None:
             return
         try:
-            self._tb_hook(att)
+            self._tb_hook(att, final)
         except Exception:
             log.exception("job %s attempt %s: TensorBoard tailing failed", att.job_id,
                           att.attempt)
@@ -955,7 +955,7 @@ class Runner(Worker):
             log.exception("job %s attempt %s: checkpoint scan failed", att.job_id,
                           att.attempt)
 
-    def _tb_hook(self, att):
+    def _tb_hook(self, att, final=False):
         root = att.tb_dir or att.working_dir
         if root and not os.path.isabs(root):
             root = os.path.join(att.working_dir or "/", root)    # --tb-dir runs
@@ -963,7 +963,15 @@ class Runner(Worker):
             return
         if att.tb is None:
             att.tb = TBTailer(root, att.received_at / 1000.0, dict(att.tb_offsets))
-        points = att.tb.poll()
+        while True:
+            # After the exit: look for files written since the last walk, and read
+            # everything, even a backlog longer than one poll hands out.
+            points = att.tb.poll(rescan=final)
+            self._emit_tb(att, points)
+            if not final or len(points) < att.tb.max_points:
+                break
+
+    def _emit_tb(self, att, points):
         for i in range(0, len(points), 5000):
             chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + 5000]]
             last = i + 5000 >= len(points)
@@ -1222,9 +1230,10 @@ class TBTailer:
         out.update((rel, f.offset) for rel, f in self._files.items())
         return out
 
-    def poll(self):
+    def poll(self, rescan=False):
+        """New points since the last poll; rescan=True walks the tree now (the job ended)."""
         now = time.monotonic()
-        if now >= self._next_scan:
+        if rescan or now >= self._next_scan:
             self._scan()
             # A huge tree must not turn the agent into a full-time directory walker.
             # (rescan_s=0 means every poll, for tests.)
