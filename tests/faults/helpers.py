@@ -202,6 +202,20 @@ def worker_pid(server):
     return kids[0].pid if kids else None
 
 
+def fd_kinds(pid):
+    """{"socket": n, "db": n (the SQLite file, -wal, -shm), "other": n} of a process."""
+    out = {"socket": 0, "db": 0, "other": 0}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kind = ("socket" if target.startswith("socket:") else
+                "db" if ".db" in target else "other")
+        out[kind] += 1
+    return out
+
+
 def proc_counts(pid):
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     threads = len(os.listdir(f"/proc/{pid}/task"))
