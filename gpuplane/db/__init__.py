@@ -155,8 +155,43 @@ CREATE TABLE events (
 CREATE INDEX events_run ON events(run_id, id);
 """
 
+# Metric rollups (gpuplane/rollup.py, docs/metrics.md): per key, fixed-width step buckets
+# of width 16, 64, 256, ... (bucket = step // width). A NULL value anywhere means NaN.
+# Ingest appends one metric_dirty row per key per batch; the rollup thread recomputes the
+# buckets those step ranges touch and advances metric_rollup.rolled_step.
+SCHEMA_V2_ROLLUPS = """
+CREATE TABLE rollups (
+    key_id     INTEGER NOT NULL,
+    width      INTEGER NOT NULL,
+    bucket     INTEGER NOT NULL,
+    first_step INTEGER NOT NULL,
+    last_step  INTEGER NOT NULL,
+    min        REAL,
+    max        REAL,
+    sum        REAL,
+    count      INTEGER NOT NULL,   -- points in the bucket
+    vcount     INTEGER NOT NULL,   -- of which not NaN
+    last       REAL,               -- value at last_step
+    PRIMARY KEY (key_id, width, bucket)
+) WITHOUT ROWID;
+
+CREATE TABLE metric_rollup (
+    key_id       INTEGER PRIMARY KEY,
+    rolled_step  INTEGER NOT NULL DEFAULT -1,  -- steps <= this are in the rollups
+    top_width    INTEGER NOT NULL DEFAULT 0,   -- coarsest level built
+    pruned_step  INTEGER NOT NULL DEFAULT -1   -- raw points may be gone at steps <= this
+);
+
+CREATE TABLE metric_dirty (
+    id      INTEGER PRIMARY KEY,
+    key_id  INTEGER NOT NULL,
+    lo      INTEGER NOT NULL,
+    hi      INTEGER NOT NULL
+);
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
-MIGRATIONS = [SCHEMA_V1]
+MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS]
 
 
 class Database:
