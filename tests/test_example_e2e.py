@@ -3,7 +3,7 @@ all land under its run."""
 import pathlib
 import sys
 
-from conftest import ROOT, wait_for
+from procs import ROOT, wait_for
 
 EXAMPLE = ROOT / "examples" / "cpu"
 

@@ -6,7 +6,7 @@ import textwrap
 
 import psutil
 
-from conftest import wait_for
+from procs import wait_for
 
 PY = sys.executable
 

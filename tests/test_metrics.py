@@ -395,7 +395,7 @@ def test_gateway_style_ingest_inside_outer_transaction(db, client):
 
 
 def test_rollup_thread_survives_a_failing_tick(db, monkeypatch):
-    from conftest import wait_for
+    from procs import wait_for
     calls = []
 
     def flaky(db_, stop=None):
@@ -429,7 +429,7 @@ def test_sparse_steps_still_fill_the_answer(client, db):
 
 
 def test_rollup_thread_keeps_up_with_concurrent_ingest(client, db):
-    from conftest import wait_for
+    from procs import wait_for
     run = new_run(client)
     rollup = Rollup(db, {})
     rollup.interval = 0.01

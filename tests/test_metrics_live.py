@@ -3,7 +3,7 @@ runs one, and `gpuplane run list/show`."""
 import json
 import threading
 
-from conftest import wait_for
+from procs import wait_for
 from gpuplane import cli
 from gpuplane.cli_runs import sparkline
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import sdk_env
+from sdkutil import sdk_env
 
 FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "transformers", "numpy")
 

@@ -10,7 +10,7 @@ Run it in a venv that has them, e.g.:
 
 import pytest
 
-from conftest import TOKEN
+from sdkutil import TOKEN
 
 pytestmark = pytest.mark.frameworks
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from conftest import TOKEN, wait_for
+from sdkutil import TOKEN, wait_for
 
 
 @pytest.mark.parametrize("mode", ["500", "hang", "reset", "garbage", "garbage200", "401"])

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from conftest import TOKEN, isnan, wait_for
+from sdkutil import TOKEN, isnan, wait_for
 
 
 def _spool_lines(path):

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import threading
 
-from conftest import TOKEN, sdk_env, wait_for
+from sdkutil import TOKEN, sdk_env, wait_for
 
 LOGGER = textwrap.dedent("""
     import sys
