@@ -160,6 +160,9 @@ def stream_logs(job_id):
 
 
 def _sse(db, hub, job_id, last_id, backlog):
+    # The headers go out with the first chunk: without this a follower of a quiet job
+    # would see no answer at all until the first keepalive, 15 s later.
+    yield ": following\n\n"
     if backlog is not None:
         lines = logs.tail(db, job_id, backlog) if backlog else []
         if lines:

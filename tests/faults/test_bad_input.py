@@ -150,7 +150,7 @@ def _shape_ok(resp):
 
 def test_random_rest_bodies_never_5xx_and_change_nothing(live_server, faults_long):
     rng = random.Random(SEED)
-    n = 10_000 if faults_long else 1_500
+    n = 10_000 if faults_long else 1_000
     api, url = live_server.api, live_server.url
     # Something to aim at: a cancelled job, a run with points, a read token.
     job = api.submit(["python", "x.py"], "/tmp", gpus=1)

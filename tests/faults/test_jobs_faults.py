@@ -135,7 +135,7 @@ def test_server_killed_around_dispatch_starts_every_attempt_exactly_once(
     server = server_factory()
     api, cmd = server.api, gated(tmp_path)
     agent_factory(server, name="busy", fake_gpus=2)
-    names = [f"j{i}" for i in range(6)]
+    names = [f"j{i}" for i in range(5)]
     jobs = {n: api.submit(cmd(n), tmp_path, gpus=1) for n in names}
     wait_for(lambda: len(starts(tmp_path)) == 2, what="two jobs on the two GPUs")
     kills, early = 0, []

@@ -24,7 +24,7 @@ def pytest_generate_tests(metafunc):
 def test_network_cut_and_heal(mode, server_factory, agent_factory, tmp_path, faults_long):
     cut_s = 60.0 if faults_long else 10.0
     lines = 6_000 if faults_long else 3_000
-    duration = cut_s + 8
+    duration = cut_s + 5
     server = server_factory({"log_keep_lines": 10_000_000, "heartbeat_s": HEARTBEAT_S,
                              "node_grace_s": cut_s + 60})
     proxy = Proxy(server.port)
