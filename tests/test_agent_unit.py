@@ -503,51 +503,37 @@ def test_sync_message_lists_running_and_known(tmp_path, hosts):
     h.wait_exited(16)
 
 
-class FakeTB:
-    """Stands in for the TBTailer interface that the TensorBoard section provides."""
-    made = []
-
-    def __init__(self, root_dir, started_after_ts, offsets):
-        self.root_dir, self.started_after_ts = root_dir, started_after_ts
-        self.offsets = dict(offsets)
-        FakeTB.made.append(self)
-
-    def poll(self):
-        path = os.path.join(self.root_dir, "scalars.txt")
-        if not os.path.exists(path):
-            return []
-        with open(path, "rb") as f:
-            f.seek(self.offsets.get(path, 0))
-            data = f.read()
-        self.offsets[path] = self.offsets.get(path, 0) + len(data)
-        out = []
-        for line in data.decode().splitlines():
-            key, step, value = line.split()
-            out.append((key, int(step), float(value), 1000))
-        return out
+def _tb_write(tb_dir, points):
+    from tensorboard.summary import Writer
+    w = Writer(str(tb_dir))
+    for tag, step, value in points:
+        w.add_scalar(tag, value, step=step)
+    w.flush()
+    w.close()
 
 
-def test_tb_hook_emits_metrics_and_persists_offsets(tmp_path, hosts, monkeypatch):
-    monkeypatch.setattr(agent, "TBTailer", FakeTB)
+def test_tb_hook_emits_metrics_and_persists_offsets(tmp_path, hosts):
+    """The real TBTailer inside the runner: points reach the outbox once, and a restarted
+    agent carries on from the saved offsets (a second event file appears meanwhile)."""
     tb = tmp_path / "tb"
-    tb.mkdir()
-    (tb / "scalars.txt").write_text("loss 1 0.5\nloss 2 0.4\n")
     write_script(tmp_path / "sleepy.py", "import time\nwhile True: time.sleep(1)\n")
     home = tmp_path / "home"
     a = hosts(home)
-    a.runner.handle_start(start_msg(17, [PY, "sleepy.py"], tmp_path, tb_dir=str(tb)))
-    wait_until(lambda: records(a.outbox, "metrics"), what="tb metrics")
-    m = records(a.outbox, "metrics")[0]
-    assert m["source"] == "tb" and m["run_id"] == 117
-    assert m["points"] == [["loss", 1, 0.5, 1000], ["loss", 2, 0.4, 1000]]
+    a.runner.handle_start(start_msg(17, [PY, "sleepy.py"], tmp_path, tb_dir="tb"))
+    _tb_write(tb, [("loss", 1, 0.5), ("loss", 2, 0.25)])
+    wait_until(lambda: sum(len(r["points"]) for r in records(a.outbox, "metrics")
+                           if r["source"] == "tb") == 2, what="tb metrics")
+    m = [r for r in records(a.outbox, "metrics") if r["source"] == "tb"][0]
+    assert m["run_id"] == 117
+    assert [p[:3] for p in m["points"]] == [["loss", 1, 0.5], ["loss", 2, 0.25]]
     a.stop()
-    with open(tb / "scalars.txt", "a") as f:
-        f.write("loss 3 0.3\n")
+    _tb_write(tb / "eval", [("acc", 3, 0.75)])
     b = hosts(home)
-    assert FakeTB.made[-1] is not None
-    wait_until(lambda: len(records(b.outbox, "metrics")) == 2, what="new tb point")
-    new = records(b.outbox, "metrics")[1]
-    assert new["points"] == [["loss", 3, 0.3, 1000]]
+    wait_until(lambda: [r for r in records(b.outbox, "metrics") if r["source"] == "tb"
+                        and r["points"][0][0] == "eval/acc"], what="new tb point")
+    tb_points = [p[:3] for r in records(b.outbox, "metrics") if r["source"] == "tb"
+                 for p in r["points"]]
+    assert tb_points == [["loss", 1, 0.5], ["loss", 2, 0.25], ["eval/acc", 3, 0.75]]
     b.runner.handle_cancel({"type": "cancel", "job_id": 17, "attempt": 1})
     b.wait_exited(17)
 
