@@ -105,12 +105,13 @@ def load_config(args):
     def pick(flag, key, default=None):
         return flag if flag is not None else toml.get(key, default)
 
-    server = pick(args.server, "server")
-    token = pick(args.token, "token")
+    # flags, then the environment (keeps the token out of `ps`), then agent.toml
+    server = pick(args.server or os.environ.get("GPUCTL_SERVER"), "server")
+    token = pick(args.token or os.environ.get("GPUCTL_TOKEN"), "token")
     if not server or not token:
         missing = " and ".join(n for n, v in (("--server", server), ("--token", token)) if not v)
-        raise ConfigError(f"{missing} missing: pass it on the command line or set "
-                          f"server/token in {path}")
+        raise ConfigError(f"{missing} missing: pass it on the command line, in "
+                          f"GPUCTL_SERVER/GPUCTL_TOKEN, or set server/token in {path}")
     return Config(server=server, token=token,
                   name=pick(args.name, "name") or socket.gethostname(), home=home,
                   fake_gpus=pick(args.fake_gpus, "fake_gpus", 0),

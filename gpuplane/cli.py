@@ -864,11 +864,12 @@ def cmd_up(args):
             children, 10)
         client = Client(url, admin_token)
 
-        agent_argv += ["--server", url, "--token", admin_token, "--home", str(home),
-                       "--name", name]
+        # The token goes in the environment, not argv, where `ps` would show it.
+        agent_argv += ["--server", url, "--home", str(home), "--name", name]
         if args.fake_gpus is not None:
             agent_argv += ["--fake-gpus", str(args.fake_gpus)]
-        agent = _Child("agent", agent_argv, log_dir / "agent.log", env)
+        agent = _Child("agent", agent_argv, log_dir / "agent.log",
+                       dict(env, GPUCTL_TOKEN=admin_token))
         children.insert(0, agent)
 
         def node_connected():
