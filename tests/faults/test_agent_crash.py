@@ -20,7 +20,7 @@ import pytest
 
 from .helpers import check_lines, log_rows, node_cursor, report, starts, stream_command, wait_for
 
-SEEDS = [int(s) for s in os.environ.get("FAULTS_SEEDS", "21").split(",")]
+SEEDS = [int(s) for s in os.environ.get("FAULTS_SEEDS", "21,22").split(",")]
 LONG_SEEDS = [21, 22, 23, 24, 25, 26]
 TORN = "skipping a torn last line"
 
