@@ -185,8 +185,8 @@ class Gateway:
             raise _protocol("'cpu_slots' must be an integer from 0 to 4096")
         for name in ("hostname", "version"):
             if msg.get(name) is not None and (not isinstance(msg[name], str)
-                                              or len(msg[name]) > 200):
-                raise _protocol(f"'{name}' must be a string of at most 200 characters")
+                                              or len(msg[name]) > 1000):
+                raise _protocol(f"'{name}' must be a string of at most 1000 characters")
         cursor = nodes.hello(self.db, msg)
         conn = AgentConnection(ws, node)
         with self._lock:
