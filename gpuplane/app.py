@@ -64,6 +64,8 @@ def create_app(home=None, start_threads=True, **overrides):
 
 
 def stop_app(app):
+    """Close what holds threads open (agent sockets, SSE followers), then stop workers."""
+    app.config["HUB"].close()
+    app.config["GATEWAY"].close_all()
     for t in app.config.get("THREADS", []):
         t.stop()
-    app.config["GATEWAY"].close_all()

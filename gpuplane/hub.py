@@ -6,6 +6,12 @@ class Hub:
     def __init__(self):
         self._cond = threading.Condition()
         self._version = 0
+        self.closed = False
+
+    def close(self):
+        """Server shutdown: wake every follower so its stream ends and frees its thread."""
+        self.closed = True
+        self.publish()
 
     def publish(self):
         with self._cond:

@@ -24,6 +24,28 @@ class _Gunicorn(BaseApplication):
         return create_app(self.home)
 
 
+def _post_worker_init(worker):
+    # gunicorn waits up to graceful_timeout for open requests, and an agent's WebSocket or
+    # an SSE follower never ends by itself: on SIGTERM/SIGINT close them first, from a
+    # thread (the handler itself only starts it), then let gunicorn's handler run.
+    import signal
+    import threading
+
+    def wrap(sig):
+        previous = signal.getsignal(sig)
+
+        def handler(signum, frame):
+            app = getattr(worker, "wsgi", None)
+            if app is not None and hasattr(app, "config"):
+                from .app import stop_app
+                threading.Thread(target=stop_app, args=(app,), daemon=True).start()
+            if callable(previous):
+                previous(signum, frame)
+        signal.signal(sig, handler)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        wrap(sig)
+
+
 def _worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
     if app is not None and hasattr(app, "config"):
@@ -55,6 +77,7 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
         "loglevel": log_level,
         "accesslog": None,
         "control_socket_disable": True,  # gunicorn 27 would share $HOME/.gunicorn/*.ctl
+        "post_worker_init": _post_worker_init,
         "worker_exit": _worker_exit,
     }
     _Gunicorn(home, options).run()

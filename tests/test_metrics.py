@@ -459,3 +459,41 @@ def test_rollup_thread_keeps_up_with_concurrent_ingest(client, db):
         vals = [(s, v) for s, v in expect.items() if s // metrics.BASE == bucket]
         assert n == len(vals) and mn == min(v for _, v in vals) and mx == max(v for _, v in vals)
         assert last == max(vals)[1]
+
+
+def post_binary(client, run_id, body, expect=200):
+    r = client.post(f"/api/v1/runs/{run_id}/metrics", data=body,
+                    content_type=metrics.BINARY_TYPE)
+    assert r.status_code == expect, r.get_data(as_text=True)
+    return r.get_json()
+
+
+def test_binary_batches_store_the_same_points_as_json(client, db):
+    a, b = new_run(client, "json"), new_run(client, "binary")
+    points = [[0, s, 1.0 / (s + 1), TS + s] for s in range(300)] + \
+        [[1, 5, float("nan"), TS], [1, 6, float("inf"), TS], [1, 7, -2.5, TS]]
+    keys = ["train/loss", "odd"]
+    post(client, a, keys, points)
+    assert post_binary(client, b, metrics.encode_binary(keys, points)) == {"accepted": 303}
+    # a replay adds nothing
+    post_binary(client, b, metrics.encode_binary(keys, points))
+    for key in keys:
+        sa = get(client, f"/api/v1/runs/{a}/metrics/{key}?max_points=10000")["points"]
+        sb = get(client, f"/api/v1/runs/{b}/metrics/{key}?max_points=10000")["points"]
+        assert sa == sb and sa
+    assert count_points(db) == 2 * 303
+
+
+@pytest.mark.parametrize("mangle, fragment", [
+    (lambda b: b"XXXX" + b[4:], "not a binary metric batch"),
+    (lambda b: b[:-3], "carries"),
+    (lambda b: b[:9] + b"{" + b[10:], "header is not JSON"),
+])
+def test_bad_binary_batches_are_400_and_store_nothing(client, db, mangle, fragment):
+    run = new_run(client)
+    body = metrics.encode_binary(["loss"], [[0, 1, 0.5, TS], [0, 2, 0.4, TS]])
+    out = post_binary(client, run, mangle(body), expect=400)
+    assert fragment in out["error"]["message"]
+    bad_index = metrics.encode_binary(["loss"], [[3, 1, 0.5, TS]])
+    assert "out of range" in post_binary(client, run, bad_index, expect=400)["error"]["message"]
+    assert count_points(db) == 0

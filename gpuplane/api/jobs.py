@@ -170,7 +170,7 @@ def _sse(db, hub, job_id, last_id, backlog):
         elif not backlog:
             last_id = (logs.tail(db, job_id, 1) or [{"id": 0}])[0]["id"]
         yield from _events(lines)
-    while True:
+    while not hub.closed:       # on shutdown the client reconnects with Last-Event-ID
         version = hub.version
         lines = logs.after(db, job_id, last_id)
         if lines:

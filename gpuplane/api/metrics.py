@@ -62,6 +62,14 @@ def ingest(run_id):
         raise BadRequest('the body is empty; send {"keys": [...], "points": [[key_index, '
                          'step, value, ts], ...]}')
     _run_or_404(run_id)
+    if request.mimetype == metrics.BINARY_TYPE:
+        with _ingest_lock:
+            try:
+                keys, cols = metrics.parse_binary(raw)
+                n = metrics.ingest_batch(_db(), run_id, keys, cols=cols)
+            except metrics.BadBatch as e:
+                raise BadRequest(str(e)) from None
+        return _json({"accepted": n})
     with _ingest_lock:
         try:
             data = json.loads(raw)

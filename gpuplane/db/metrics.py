@@ -10,8 +10,12 @@ Storage (docs/metrics.md):
   gpuplane.rollup.Rollup) recomputes the buckets those ranges touch and advances the key's
   `rolled_step`; a series query reads rollups up to there and raw points after.
 """
+import array
+import json
 import math
 import operator
+import struct
+import sys
 from itertools import chain, repeat
 
 MAX_KEYS = 10_000
@@ -43,16 +47,17 @@ class BadBatch(ValueError):
 
 # -- ingest ---------------------------------------------------------------------------
 
-def parse_batch(keys, points):
-    """Check a batch in the wire format and return it as columns (kidx, steps, values, ts).
+# The binary form of a batch (docs/api.md, "Metric ingest wire format"): the same columns
+# as the JSON form, packed little-endian, so the server reads them with array.frombytes
+# instead of parsing decimal text (JSON parsing was a fifth of the ingest CPU).
+BINARY_TYPE = "application/x-gpuplane-points"
+BINARY_MAGIC = b"GPP1"
+_U32 = struct.Struct("<I")
 
-    Works column-wise with C-level builtins (map, zip, set, min, max) so that a batch of
-    thousands of points costs no Python bytecode per point.
-    """
+
+def _check_keys(keys):
     if not isinstance(keys, list):
         raise BadBatch("'keys' must be a list of metric names")
-    if not isinstance(points, list):
-        raise BadBatch("'points' must be a list of [key_index, step, value, ts] lists")
     if len(keys) > MAX_KEYS:
         raise BadBatch(f"'keys' has {len(keys)} names; send at most {MAX_KEYS} per batch")
     if not set(map(type, keys)) <= {str}:
@@ -61,6 +66,76 @@ def parse_batch(keys, points):
         raise BadBatch("each key must be a non-empty string of at most 512 characters")
     if len(set(keys)) != len(keys):
         raise BadBatch("'keys' has a name twice; list each metric name once")
+
+
+def _column(raw, offset, code, n):
+    col = array.array(code)
+    col.frombytes(raw[offset:offset + n * col.itemsize])
+    if sys.byteorder != "little":
+        col.byteswap()
+    return col, offset + n * col.itemsize
+
+
+def parse_binary(raw):
+    """Read a binary batch: b"GPP1", u32 header length, JSON header {"keys": [...]},
+    u32 n, then n x u32 key index, n x i64 step, n x f64 value, n x i64 ts.
+    Returns (keys, columns) like parse_batch."""
+    fix = ("send b'GPP1', a u32 header length, the JSON header {\"keys\": [...]}, a u32 "
+           "point count, then the key_index (u32), step (i64), value (f64) and ts (i64) "
+           "columns, little-endian")
+    if raw[:4] != BINARY_MAGIC or len(raw) < 12:
+        raise BadBatch(f"not a binary metric batch; {fix}")
+    (hlen,) = _U32.unpack_from(raw, 4)
+    try:
+        header = json.loads(raw[8:8 + hlen])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise BadBatch(f"the batch header is not JSON; {fix}") from None
+    keys = header.get("keys") if isinstance(header, dict) else None
+    _check_keys(keys)
+    offset = 8 + hlen
+    if len(raw) < offset + 4:
+        raise BadBatch(f"the batch ends before its point count; {fix}")
+    (n,) = _U32.unpack_from(raw, offset)
+    offset += 4
+    if len(raw) != offset + n * 28:
+        raise BadBatch(f"the batch says {n} points but carries {len(raw) - offset} bytes of "
+                       f"columns (28 per point); {fix}")
+    if not n:
+        return keys, ((), (), (), ())
+    kidx, offset = _column(raw, offset, "I", n)
+    steps, offset = _column(raw, offset, "q", n)
+    values, offset = _column(raw, offset, "d", n)
+    ts, offset = _column(raw, offset, "q", n)
+    if max(kidx) >= len(keys):
+        raise BadBatch(f"a point's key_index is out of range; 'keys' has {len(keys)} names, "
+                       f"so use 0..{len(keys) - 1}")
+    if min(steps) < 0:
+        raise BadBatch("a point's step must be an integer from 0 to 2**63-1")
+    return keys, (kidx, steps, values, ts)
+
+
+def encode_binary(keys, points):
+    """The binary form of [[key_index, step, value, ts], ...] (for clients and tests)."""
+    header = json.dumps({"keys": keys}).encode()
+    cols = list(zip(*points)) if points else [(), (), (), ()]
+    out = [BINARY_MAGIC, _U32.pack(len(header)), header, _U32.pack(len(points))]
+    for code, col in zip("Iqdq", cols):
+        a = array.array(code, col)
+        if sys.byteorder != "little":
+            a.byteswap()
+        out.append(a.tobytes())
+    return b"".join(out)
+
+
+def parse_batch(keys, points):
+    """Check a batch in the wire format and return it as columns (kidx, steps, values, ts).
+
+    Works column-wise with C-level builtins (map, zip, set, min, max) so that a batch of
+    thousands of points costs no Python bytecode per point.
+    """
+    _check_keys(keys)
+    if not isinstance(points, list):
+        raise BadBatch("'points' must be a list of [key_index, step, value, ts] lists")
     if not points:
         return (), (), (), ()
     # No per-point type check of the points themselves: JSON has no other sequence, a
@@ -169,9 +244,11 @@ def ingest(conn, run_id, keys, points):
     return insert_points(conn, ids, cols)
 
 
-def ingest_batch(db, run_id, keys, points):
-    """The REST path: parse, then one transaction with cached key ids. Returns the count."""
-    cols = parse_batch(keys, points)
+def ingest_batch(db, run_id, keys, points=None, cols=None):
+    """The REST path: parse (or take the columns of a binary batch), then one transaction
+    with cached key ids. Returns the count."""
+    if cols is None:
+        cols = parse_batch(keys, points)
     if not cols[1]:
         return 0
     known = _key_cache.setdefault(db.path, {})

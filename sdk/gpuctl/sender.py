@@ -7,7 +7,10 @@ behind older unacknowledged ones, so a replay never comes after newer data. When
 spool is empty it also replays spool files other processes left behind.
 """
 
+import array
 import json
+import struct
+import sys
 import threading
 import time
 
@@ -36,12 +39,36 @@ def _session(token):
     return s
 
 
-def post(session, url, payload):
-    """POST JSON text; return (outcome, answer). A 2xx must carry a JSON object: a proxy's
-    or captive portal's HTML page is not an acknowledgement."""
+BINARY_TYPE = "application/x-gpuplane-points"
+
+
+def binary_points(payload):
+    """The server's binary form of a metrics batch (JSON text in the spool): b"GPP1", u32
+    header length, {"keys": [...]}, u32 n, then the key_index u32, step i64, value f64 and
+    ts i64 columns, little-endian. It parses several times cheaper on the server than JSON.
+    None when a column does not fit (the JSON form is sent instead)."""
+    try:
+        body = json.loads(payload)
+        points = body["points"]
+        header = json.dumps({"keys": body["keys"]}).encode()
+        out = [b"GPP1", struct.pack("<I", len(header)), header, struct.pack("<I", len(points))]
+        for code, col in zip("Iqdq", zip(*points) if points else ((),) * 4):
+            a = array.array(code, col)
+            if sys.byteorder != "little":
+                a.byteswap()
+            out.append(a.tobytes())
+        return b"".join(out)
+    except Exception:
+        return None
+
+
+def post(session, url, payload, content_type=None):
+    """POST JSON text (or bytes of `content_type`); return (outcome, answer). A 2xx must
+    carry a JSON object: a proxy's or captive portal's HTML page is not an acknowledgement."""
     try:
         resp = session.post(url, data=payload.encode() if isinstance(payload, str) else payload,
-                            timeout=TIMEOUT)
+                            timeout=TIMEOUT,
+                            headers={"Content-Type": content_type} if content_type else None)
     except Exception:
         return RETRY, None
     code = resp.status_code
@@ -250,7 +277,11 @@ class Sender(threading.Thread):
 
     def _deliver(self, run_id, kind, payload):
         url = "%s/api/v1/runs/%s/%s" % (self.r.server, run_id, _PATHS[kind])
-        outcome, _ = post(self._http(), url, payload)
+        data = binary_points(payload) if kind == "metrics" else None
+        if data is not None:
+            outcome, _ = post(self._http(), url, data, BINARY_TYPE)
+        else:
+            outcome, _ = post(self._http(), url, payload)
         if outcome == OK:
             self._backoff = RETRY_MIN_S
         return outcome

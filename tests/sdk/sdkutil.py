@@ -113,7 +113,7 @@ class IngestServer:
         if h.headers.get("Authorization") != "Bearer %s" % TOKEN:
             return h._reply(401, {"error": {"code": "Unauthorized", "message": "bad token"}})
         try:
-            body = json.loads(raw)
+            body = decode_body(raw)
         except ValueError:
             return h._reply(400, {"error": {"code": "BadRequest", "message": "json"}})
         parts = h.path.strip("/").split("/")  # api v1 runs [ID [what]]
@@ -149,12 +149,31 @@ class IngestServer:
 
     def posts(self, suffix):
         with self.lock:
-            return [(p, json.loads(b)) for p, _, b in self.requests if p.endswith(suffix)]
+            return [(p, decode_body(b)) for p, _, b in self.requests if p.endswith(suffix)]
 
     def close(self):
         self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def decode_body(raw):
+    """A request body as the server reads it: JSON, or a binary metrics batch."""
+    if raw[:4] != b"GPP1":
+        return json.loads(raw)
+    import array
+    (hlen,) = struct.unpack_from("<I", raw, 4)
+    keys = json.loads(raw[8:8 + hlen])["keys"]
+    (n,) = struct.unpack_from("<I", raw, 8 + hlen)
+    offset, cols = 12 + hlen, []
+    for code in "Iqdq":
+        a = array.array(code)
+        a.frombytes(raw[offset:offset + n * a.itemsize])
+        offset += n * a.itemsize
+        cols.append(a.tolist())
+    if offset != len(raw):
+        raise ValueError("binary batch of the wrong length")
+    return {"keys": keys, "points": [list(p) for p in zip(*cols)]}
 
 
 def sdk_env(home, **extra):
