@@ -628,7 +628,7 @@ class Runner(Worker):
         self.kill_grace_s = kill_grace_s
         self.server_url = server_url
         self.hook_interval_s = hook_interval_s
-        self.shim_argv = shim_argv or [sys.executable, os.path.abspath(__file__), "_shim"]
+        self.shim_argv = shim_argv or shim_command()
         self.lock = threading.RLock()
         self.active = {}                  # key -> Attempt not yet finally reported
         self.adopt()
@@ -1065,6 +1065,19 @@ def checkpoint_step(name):
 # ---------------------------------------------------------------------------------------
 # the shim: `python agent.py _shim DIR`, its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
+
+# Loading this file as a module (not running it as a script) lets Python reuse its cached
+# bytecode: a shim then starts in ~60 ms instead of ~200 ms spent compiling 1800 lines.
+_SHIM_LOADER = ("import importlib.util as u, sys; "
+                "s = u.spec_from_file_location('gpuplane_agent', sys.argv[1]); "
+                "m = u.module_from_spec(s); s.loader.exec_module(m); "
+                "sys.exit(m.shim_main(sys.argv[2]))")
+
+
+def shim_command():
+    """argv that runs the shim; the attempt dir is appended."""
+    return [sys.executable, "-c", _SHIM_LOADER, os.path.abspath(__file__)]
+
 
 def shim_main(path):
     # the agent may restart or its terminal may close; the job must not notice
