@@ -78,15 +78,21 @@ def _positive_int(text):
     return value
 
 
-def _job_id(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"job ids are numbers, got {text!r}; list jobs with `gpuplane job list`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"job ids start at 1, got {value}")
-    return value
+def id_type(noun, listing):
+    """An argparse type for positive ids, whose error says where to find them."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{noun} ids are numbers, got {text!r}; list them with `{listing}`") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{noun} ids start at 1, got {value}")
+        return value
+    return parse
+
+
+_job_id = id_type("job", "gpuplane job list")
 
 
 def _port(text):

@@ -4,7 +4,6 @@ Added to the CLI by gpuplane/cli.py (`add_parsers`); talks to the server over RE
 `run show` prints per metric the latest and best value, the trend and a small sparkline of
 the whole run (a max_points=20 series, the mean of each bucket).
 """
-import argparse
 import math
 
 from . import cli
@@ -13,15 +12,7 @@ SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 20
 
 
-def _run_id(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"run ids are numbers, got {text!r}; list runs with `gpuplane run list`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"run ids start at 1, got {value}")
-    return value
+_run_id = cli.id_type("run", "gpuplane run list")
 
 
 def add_parsers(subparsers):

@@ -15,7 +15,7 @@ from flask import Blueprint, Response, current_app, request
 from ..auth import requires
 from ..db import metrics
 from ..errors import BadRequest, NotFound
-from .validate import query_int
+from .validate import parse_json, query_int
 
 bp = Blueprint("metrics", __name__, url_prefix="/api/v1")
 
@@ -71,12 +71,7 @@ def ingest(run_id):
                 raise BadRequest(str(e)) from None
         return _json({"accepted": n})
     with _ingest_lock:
-        try:
-            data = json.loads(raw)
-        except RecursionError:
-            raise BadRequest("the JSON is nested too deeply") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
+        data = parse_json(raw)
         if not isinstance(data, dict) or "keys" not in data or "points" not in data:
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')

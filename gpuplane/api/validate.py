@@ -14,15 +14,19 @@ def body():
     raw = request.get_data(cache=True)
     if not raw:
         raise BadRequest("the body is empty; send a JSON object")
+    data = parse_json(raw)
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def parse_json(raw):
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except RecursionError:
         raise BadRequest("the JSON is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object") from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
-    return data
 
 
 def field(data, name, kind, default=_MISSING, *, min=None, max=None, choices=None,

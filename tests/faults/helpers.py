@@ -12,6 +12,8 @@ import textwrap
 import threading
 import time
 
+from procs import wait_for  # noqa: F401  (the suite imports it from here)
+
 PY = sys.executable
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SDK_DIR = ROOT / "sdk"
@@ -31,21 +33,6 @@ def report(name, **counts):
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, "ts": int(time.time()), **counts}) + "\n")
-
-
-def wait_for(cond, timeout=30, interval=0.05, what="condition"):
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-            if value:
-                return value
-        except Exception as e:          # the thing polled may be restarting
-            last_exc = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
-                         + (f" (last error: {last_exc!r})" if last_exc else ""))
 
 
 # -- the server's database, read-only ------------------------------------------------------
