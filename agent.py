@@ -1539,6 +1539,11 @@ class StatsReporter(Worker):
             cpu, rss = self._tree_usage(pid, seen)
             points.append(["sys/cpu_percent", step, cpu, ts])
             points.append(["sys/rss_mb", step, rss, ts])
+            try:     # a full disk kills checkpoints: watch the job's own filesystem
+                free = shutil.disk_usage(att.working_dir).free / 2**20
+                points.append(["sys/disk_free_mb", step, round(free, 1), ts])
+            except (OSError, TypeError):
+                pass
             for g in att.gpus:
                 s = by_index.get(g)
                 if not s:
