@@ -886,7 +886,7 @@ def cmd_up(args):
 
         node = _wait_for(f"node {name!r} to connect", node_connected, children, 60)
         gpus = len(node.get("gpus") or [])
-        print(f"GPUPlane is up at {url}  (dashboard and REST API)")
+        print(f"GPUPlane is up at {url}  (REST API under /api/v1/)")
         print(f"  admin token: in {toml_path}  (print it: gpuplane token show-admin)")
         print(f"  node {name}: {gpus} GPU{'s' if gpus != 1 else ''}"
               + (" (fake)" if node.get("fake") else "")
@@ -905,7 +905,7 @@ def cmd_up(args):
             final = follow_job(client, job["id"])
             code = _outcome_code(final["state"])
             print(_describe_end(final))
-            print(f"  details: gpuplane job show {job['id']}   dashboard: {url}", flush=True)
+            print(f"  details: gpuplane job show {job['id']}", flush=True)
             if args.exit_when_done:
                 return code
         print("Press Ctrl-C to stop the server and the agent.", flush=True)
