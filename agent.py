@@ -1705,11 +1705,18 @@ class Connection:
         backlog = self.outbox.last_seq
         sent_upto, inflight, inflight_deadline = cursor, None, 0.0
         next_heartbeat = time.monotonic() + self.heartbeat_s
+        # A server that answers heartbeats is expected to keep answering: silence for
+        # three of them means the path is dead (no FIN or RST ever comes), so reconnect.
+        last_heard, answers_heartbeats = time.monotonic(), False
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_heartbeat:
                 self._send({"type": "heartbeat", "ts": now_ms()})
                 next_heartbeat = now + self.heartbeat_s
+            if answers_heartbeats and now - last_heard > 3 * self.heartbeat_s:
+                log.warning("nothing from the server for %.0f s; reconnecting",
+                            now - last_heard)
+                return
             if inflight is None:
                 if not self.synced.is_set():
                     self._maybe_sync(backlog)
@@ -1729,8 +1736,11 @@ class Connection:
                 if not self._ws.connected:
                     return
                 continue
+            last_heard = time.monotonic()
             kind = msg.get("type")
-            if kind == "ack":
+            if kind == "heartbeat":
+                answers_heartbeats = True
+            elif kind == "ack":
                 self.outbox.ack(msg.get("seq", 0))
                 if inflight is not None and int(msg.get("seq", 0)) >= inflight:
                     inflight = None

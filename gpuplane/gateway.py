@@ -222,6 +222,8 @@ class Gateway:
         kind = msg["type"]
         if kind == "heartbeat":
             nodes.seen(self.db, conn.node)
+            # answered, so an agent behind a silent network black hole notices too
+            conn.send({"type": "heartbeat", "ts": now_ms()})
         elif kind == "batch":
             reply = self.apply_batch(conn.node, msg)
             conn.send(reply)
