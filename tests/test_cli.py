@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
+
+from procs import wait_for
 
 from gpuplane import cli, client, config
 
@@ -286,13 +287,7 @@ def _env():
 
 
 def _wait(what, check, deadline_s=30):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(check, deadline_s, interval=0.1, what=what)
 
 
 @pytest.fixture
@@ -452,8 +447,6 @@ def test_tokens_and_whoami(stack):
 def test_slow_up_example_exit_when_done(tmp_path):
     """`gpuplane up --example --exit-when-done` from a clean home. Slow (~10-30 s):
     skip with `-k "not slow"`."""
-    if not (REPO / "examples" / "cpu" / "train.py").exists():
-        pytest.skip("examples/cpu/train.py is not written yet")
     home = tmp_path / "home"
     proc = subprocess.run(
         [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port",
