@@ -8,6 +8,7 @@ spool is empty it also replays spool files other processes left behind.
 """
 
 import array
+import base64
 import json
 import struct
 import sys
@@ -49,8 +50,11 @@ def binary_points(payload):
     None when a column does not fit (the JSON form is sent instead)."""
     try:
         body = json.loads(payload)
-        points = body["points"]
         header = json.dumps({"keys": body["keys"]}).encode()
+        if "cols" in body:      # written in column form already (see _write_metrics)
+            return b"".join([b"GPP1", struct.pack("<I", len(header)), header,
+                             struct.pack("<I", body["n"]), base64.b64decode(body["cols"])])
+        points = body["points"]
         out = [b"GPP1", struct.pack("<I", len(header)), header, struct.pack("<I", len(points))]
         for code, col in zip("Iqdq", zip(*points) if points else ((),) * 4):
             a = array.array(code, col)
@@ -227,6 +231,27 @@ class Sender(threading.Thread):
                 self._write_metrics(batch)
 
     def _write_metrics(self, batch):
+        """Turn queued points into one spool record in the server's binary column form
+        (base64 inside the JSON line): C-level conversions only, so the sender takes
+        little GIL time from the training loop."""
+        try:
+            _, names, steps, values, ts = zip(*batch)
+            index = {}
+            kidx = array.array("I", [index.setdefault(k, len(index)) for k in names])
+            cols = [kidx, array.array("q", steps), array.array("d", values),
+                    array.array("q", [round(t * 1000) for t in ts])]
+        except (OverflowError, ValueError, TypeError):
+            return self._write_metric_rows(batch)   # a step or value that does not fit
+        if sys.byteorder != "little":
+            for c in cols:
+                c.byteswap()
+        keys = [k if type(k) is str else str(k) for k in index]
+        self.r.latest.update((keys[index[k]], float(v)) for k, v in dict(zip(names, values)).items())
+        blob = base64.b64encode(b"".join(c.tobytes() for c in cols)).decode()
+        self.r.spool.append("metrics", json.dumps({"keys": keys, "n": len(kidx), "cols": blob}),
+                            len(kidx))
+
+    def _write_metric_rows(self, batch):
         keys, index, rows = [], {}, []
         add = rows.append
         for _, key, step, value, ts in batch:

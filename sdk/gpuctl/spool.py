@@ -163,7 +163,7 @@ class OwnSpool:
                 if rec.get("t") in ("run", None):
                     continue
                 body = rec["body"]
-                n = len(body.get("points", ())) if rec["t"] == "metrics" else 0
+                n = body.get("n", len(body.get("points", ()))) if rec["t"] == "metrics" else 0
                 self.pending.append((pos, rec["t"], json.dumps(body), n))
             except (ValueError, KeyError, AttributeError, TypeError):
                 continue

@@ -176,6 +176,18 @@ def decode_body(raw):
     return {"keys": keys, "points": [list(p) for p in zip(*cols)]}
 
 
+def spool_points(body):
+    """[[key_index, step, value, ts], ...] of a spooled metrics record, in either form the
+    SDK writes: column form ("cols", base64 of the binary columns) or JSON rows."""
+    if "cols" not in body:
+        return body["points"]
+    import base64
+    header = json.dumps({"keys": body["keys"]}).encode()
+    raw = (b"GPP1" + struct.pack("<I", len(header)) + header + struct.pack("<I", body["n"])
+           + base64.b64decode(body["cols"]))
+    return decode_body(raw)["points"]
+
+
 def sdk_env(home, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     env["GPUCTL_HOME"] = str(home)

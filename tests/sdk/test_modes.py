@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from sdkutil import TOKEN, isnan, wait_for
+from sdkutil import spool_points, TOKEN, isnan, wait_for
 
 
 def _spool_lines(path):
@@ -28,9 +28,9 @@ def test_local_mode_writes_everything_to_the_spool(sdk, tmp_path):
     lines = _spool_lines(s["spool"])
     assert lines[0]["t"] == "run" and lines[0]["project"] == "p"
     assert lines[0]["config"] == {"lr": 0.1}
-    steps = [p[1] for ln in lines if ln["t"] == "metrics" for p in ln["body"]["points"]]
+    steps = [p[1] for ln in lines if ln["t"] == "metrics" for p in spool_points(ln["body"])]
     assert steps == list(range(2500))
-    assert max(len(ln["body"]["points"]) for ln in lines if ln["t"] == "metrics") <= 1000
+    assert max(len(spool_points(ln["body"])) for ln in lines if ln["t"] == "metrics") <= 1000
     assert lines[-1]["t"] == "checkpoint" and lines[-1]["body"]["size_bytes"] == 0
     assert s["sent"] == 0 and s["queued"] == 2501 - 1  # the checkpoint is not a point
     assert [t.name for t in threading.enumerate()].count("gpuctl-sdk-sender") == 1
