@@ -14,8 +14,6 @@ import argparse
 import concurrent.futures
 import os
 import pathlib
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,13 +22,7 @@ import time
 
 import requests
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from harness import ROOT, free_port, start_server, stop_server
 
 
 def wait(cond, timeout=60, what="condition"):
@@ -46,19 +38,9 @@ def wait(cond, timeout=60, what="condition"):
 
 
 def start_platform(home, slots):
-    port = free_port()
-    (home / "server.toml").write_text(f'host = "127.0.0.1"\nport = {port}\n')
+    server, url, token = start_server(home, free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     env["GPUCTL_HOME"] = str(home)
-    server = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from gpuplane.server import serve; "
-         "serve(sys.argv[1], log_level='warning')", str(home)],
-        cwd=ROOT, env=env, stdout=open(home / "server.log", "ab"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait(lambda: requests.get(url + "/api/v1/health", timeout=1).ok, what="server")
-    import tomllib
-    token = tomllib.loads((home / "server.toml").read_text())["admin_token"]
     agent = subprocess.Popen(
         [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
          "--name", "bench", "--home", str(home), "--fake-gpus", str(slots),
@@ -138,8 +120,7 @@ def main():
         direct_drain_s = time.monotonic() - t0
     finally:
         for p in procs:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(15)
+            stop_server(p)          # both run as their own process group
 
     ms = lambda v: f"{v * 1000:.1f} ms"
     print(f"submit → process start over {args.jobs} jobs, idle node with {args.slots} fake GPUs")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from gpuplane.db import Database, metrics, runs  # noqa: E402
-from ingest import free_port, start_server, stop_server  # noqa: E402
+from harness import free_port, start_server, stop_server  # noqa: E402
 
 KEY = "train/loss"
 
