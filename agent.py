@@ -129,13 +129,8 @@ def now_ms():
 
 
 def write_json_atomic(path, obj, private=False):
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """tmp file, fsync, rename; the one copy lives in SHIM_SOURCE (the shim needs it too)."""
+    _shim_write(path, obj, 0o600 if private else 0o644)
 
 
 def read_json(path):
@@ -1073,9 +1068,9 @@ SHIM_SOURCE = r"""
 import json, os, signal, subprocess, sys, time
 
 
-def _shim_write(path, obj):
+def _shim_write(path, obj, mode=0o644):
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -1136,6 +1131,7 @@ def shim_main(path):
 _shim_ns = {}
 exec(SHIM_SOURCE, _shim_ns)
 shim_main = _shim_ns["shim_main"]
+_shim_write = _shim_ns["_shim_write"]
 
 
 def shim_command():
