@@ -1,9 +1,16 @@
 """REST routes by noun. Each module exposes `bp`, a Blueprint under /api/v1."""
 import importlib
 
+from flask import current_app
+
 MODULES = ("auth", "jobs", "nodes", "runs", "metrics")
 
 
 def blueprints():
     for name in MODULES:
         yield importlib.import_module(f"{__name__}.{name}").bp
+
+
+def current_db():
+    """The app's Database (gpuplane.db), for the route modules."""
+    return current_app.config["DB"]

@@ -1,16 +1,13 @@
 """whoami and token management."""
-from flask import Blueprint, current_app
+from flask import Blueprint
 
 from ..auth import current_token, requires
 from ..db import tokens
 from ..errors import BadRequest, Conflict, NotFound
 from .validate import body, field
+from . import current_db
 
 bp = Blueprint("auth", __name__, url_prefix="/api/v1")
-
-
-def _db():
-    return current_app.config["DB"]
 
 
 @bp.get("/auth/whoami")
@@ -24,7 +21,7 @@ def whoami():
 @bp.get("/tokens")
 @requires("admin")
 def list_tokens():
-    return {"tokens": [dict(t, revoked=bool(t["revoked"])) for t in tokens.list_all(_db())]}
+    return {"tokens": [dict(t, revoked=bool(t["revoked"])) for t in tokens.list_all(current_db())]}
 
 
 @bp.post("/tokens")
@@ -35,18 +32,18 @@ def create_token():
     if not name:
         raise BadRequest("'name' must not be empty; name the token after who uses it")
     scope = field(data, "scope", str, "read", choices=("read", "write", "admin", "agent"))
-    token_id, secret = tokens.create(_db(), name, scope)
+    token_id, secret = tokens.create(current_db(), name, scope)
     return {"id": token_id, "name": name, "scope": scope, "token": secret}, 201
 
 
 @bp.delete("/tokens/<int:token_id>")
 @requires("admin")
 def revoke_token(token_id):
-    row = _db().query_one("SELECT name, scope FROM tokens WHERE id = ?", (token_id,))
+    row = current_db().query_one("SELECT name, scope FROM tokens WHERE id = ?", (token_id,))
     if row is None:
         raise NotFound(f"token {token_id} does not exist; see `gpuplane token list`")
     if row["name"] == tokens.SERVER_ADMIN:
         raise Conflict("this is the admin token from server.toml; to change it, edit "
                        "admin_token there and restart the server")
-    tokens.revoke(_db(), token_id)
+    tokens.revoke(current_db(), token_id)
     return {"id": token_id, "revoked": True}

@@ -9,6 +9,7 @@ from ..auth import requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound
 from .validate import body, field, query_int
+from . import current_db
 
 bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
 
@@ -16,12 +17,8 @@ STATES = ("QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 SSE_KEEPALIVE_S = 15
 
 
-def _db():
-    return current_app.config["DB"]
-
-
 def _job_or_404(job_id):
-    job = jobs.get(_db(), job_id)
+    job = jobs.get(current_db(), job_id)
     if job is None:
         raise NotFound(f"job {job_id} does not exist; list jobs with `gpuplane job list`")
     return job
@@ -75,7 +72,7 @@ def parse_job_spec(data):
 @bp.post("/jobs")
 @requires("write")
 def submit():
-    job = jobs.submit(_db(), parse_job_spec(body()))
+    job = jobs.submit(current_db(), parse_job_spec(body()))
     current_app.config["SCHEDULER"].wake()
     return job, 201
 
@@ -89,7 +86,7 @@ def list_jobs():
         if state not in STATES:
             raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
     limit = query_int("limit", 100, min=1, max=10000)
-    return {"jobs": jobs.list_jobs(_db(), state, limit)}
+    return {"jobs": jobs.list_jobs(current_db(), state, limit)}
 
 
 @bp.get("/jobs/<int:job_id>")
@@ -101,7 +98,7 @@ def show(job_id):
          "gpu_indices": r["gpu_indices"], "exit_code": r["exit_code"],
          "failure_kind": r["failure_kind"], "started_at": r["started_at"],
          "ended_at": r["ended_at"]}
-        for r in runs.for_job(_db(), job_id)]
+        for r in runs.for_job(current_db(), job_id)]
     return job
 
 
@@ -109,7 +106,7 @@ def show(job_id):
 @requires("write")
 def cancel(job_id):
     _job_or_404(job_id)
-    job, target = jobs.request_cancel(_db(), job_id)
+    job, target = jobs.request_cancel(current_db(), job_id)
     if target is None and job["state"] != "CANCELLED":
         raise Conflict(f"job {job_id} already ended ({job['state']}); nothing to cancel")
     if target is not None:
@@ -124,7 +121,7 @@ def cancel(job_id):
 @requires("write")
 def retry(job_id):
     _job_or_404(job_id)
-    job, ok = jobs.retry(_db(), job_id)
+    job, ok = jobs.retry(current_db(), job_id)
     if not ok:
         raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
                        "be retried (cancel it first)")
@@ -137,7 +134,7 @@ def retry(job_id):
 def get_logs(job_id):
     job = _job_or_404(job_id)
     n = query_int("tail", 100, min=0, max=100_000)
-    return {"job_id": job_id, "job_state": job["state"], "lines": logs.tail(_db(), job_id, n)}
+    return {"job_id": job_id, "job_state": job["state"], "lines": logs.tail(current_db(), job_id, n)}
 
 
 @bp.get("/jobs/<int:job_id>/logs/stream")
@@ -154,7 +151,7 @@ def stream_logs(job_id):
     else:
         last_id = 0
         backlog = query_int("tail", 100, min=0, max=2000)
-    db, hub = _db(), current_app.config["HUB"]
+    db, hub = current_db(), current_app.config["HUB"]
     return Response(_sse(db, hub, job_id, last_id, backlog), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -10,12 +10,13 @@ Non-finite values are answered as the strings "NaN", "Infinity", "-Infinity".
 import json
 import threading
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 
 from ..auth import requires
 from ..db import metrics
 from ..errors import BadRequest, NotFound
 from .validate import parse_json, query_int
+from . import current_db
 
 bp = Blueprint("metrics", __name__, url_prefix="/api/v1")
 
@@ -30,24 +31,20 @@ MAX_RUNS = 50
 _ingest_lock = threading.Lock()
 
 
-def _db():
-    return current_app.config["DB"]
-
-
 def _json(obj, status=200):
     return Response(json.dumps(obj, separators=(",", ":"), allow_nan=False), status=status,
                     mimetype="application/json")
 
 
 def _run_or_404(run_id):
-    if not metrics.run_exists(_db(), run_id):
+    if not metrics.run_exists(current_db(), run_id):
         raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
 
 
 def _key_or_404(run_id, key):
-    key_id = metrics.key_id(_db(), run_id, key)
+    key_id = metrics.key_id(current_db(), run_id, key)
     if key_id is None:
-        names = metrics.key_names(_db(), run_id)
+        names = metrics.key_names(current_db(), run_id)
         shown = ", ".join(names[:50]) + (f" and {len(names) - 50} more" if len(names) > 50 else "")
         raise NotFound(f"run {run_id} has no metric {key!r}; "
                        + (f"its metrics are: {shown}" if names else "it has no metrics yet"))
@@ -66,7 +63,7 @@ def ingest(run_id):
         with _ingest_lock:
             try:
                 keys, cols = metrics.parse_binary(raw)
-                n = metrics.ingest_batch(_db(), run_id, keys, cols=cols)
+                n = metrics.ingest_batch(current_db(), run_id, keys, cols=cols)
             except metrics.BadBatch as e:
                 raise BadRequest(str(e)) from None
         return _json({"accepted": n})
@@ -76,7 +73,7 @@ def ingest(run_id):
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')
         try:
-            n = metrics.ingest_batch(_db(), run_id, data["keys"], data["points"])
+            n = metrics.ingest_batch(current_db(), run_id, data["keys"], data["points"])
         except metrics.BadBatch as e:
             raise BadRequest(str(e)) from None
     return _json({"accepted": n})
@@ -86,7 +83,7 @@ def ingest(run_id):
 @requires("read")
 def summary(run_id):
     _run_or_404(run_id)
-    return _json({"run_id": run_id, "keys": metrics.summary(_db(), run_id)})
+    return _json({"run_id": run_id, "keys": metrics.summary(current_db(), run_id)})
 
 
 def _range_args():
@@ -104,7 +101,7 @@ def series(run_id, key):
     max_points, from_step, to_step = _range_args()
     _run_or_404(run_id)
     key_id = _key_or_404(run_id, key)
-    level, points = metrics.series(_db(), key_id, max_points, from_step, to_step)
+    level, points = metrics.series(current_db(), key_id, max_points, from_step, to_step)
     return _json({"key": key, "run_id": run_id, "level": level,
                   "points": metrics.encode_points(points)})
 
@@ -129,12 +126,12 @@ def multi_series():
     out, missing = [], []
     for run_id in dict.fromkeys(run_ids):
         _run_or_404(run_id)
-        key_id = metrics.key_id(_db(), run_id, key)
+        key_id = metrics.key_id(current_db(), run_id, key)
         if key_id is None:
             missing.append(run_id)
             out.append({"run_id": run_id, "level": None, "points": [], "missing": True})
             continue
-        level, points = metrics.series(_db(), key_id, max_points, from_step, to_step)
+        level, points = metrics.series(current_db(), key_id, max_points, from_step, to_step)
         out.append({"run_id": run_id, "level": level, "points": metrics.encode_points(points)})
     if len(missing) == len(out):
         _key_or_404(out[0]["run_id"], key)

@@ -1,15 +1,12 @@
 """Nodes, the queue, the combined status view, and the health check."""
-from flask import Blueprint, current_app
+from flask import Blueprint
 
 from .. import __version__
 from ..auth import requires
 from ..db import jobs, nodes
+from . import current_db
 
 bp = Blueprint("nodes", __name__, url_prefix="/api/v1")
-
-
-def _db():
-    return current_app.config["DB"]
 
 
 def node_views(db):
@@ -49,17 +46,17 @@ def health():
 @bp.get("/nodes")
 @requires("read")
 def list_nodes():
-    return {"nodes": node_views(_db())}
+    return {"nodes": node_views(current_db())}
 
 
 @bp.get("/queue")
 @requires("read")
 def queue():
-    return {"jobs": jobs.queued(_db())}
+    return {"jobs": jobs.queued(current_db())}
 
 
 @bp.get("/status")
 @requires("read")
 def status():
-    db = _db()
+    db = current_db()
     return {"nodes": node_views(db), "queue": jobs.queued(db), "running": jobs.active(db)}

@@ -2,22 +2,19 @@
 import math
 import os
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint, request
 
 from ..auth import requires
 from ..db import dumps, events, jobs, now_ms, runs
 from ..errors import BadRequest, NotFound
 from .validate import body, field, query_int
+from . import current_db
 
 bp = Blueprint("runs", __name__, url_prefix="/api/v1")
 
 
-def _db():
-    return current_app.config["DB"]
-
-
 def run_or_404(run_id):
-    run = runs.get(_db(), run_id)
+    run = runs.get(current_db(), run_id)
     if run is None:
         raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
     return run
@@ -31,13 +28,13 @@ def register():
     if len(dumps(config)) > 1_000_000:
         raise BadRequest("'config' is larger than 1 MB; log big things as files")
     source = field(data, "source", str, "sdk", choices=("sdk", "import"))
-    with _db().tx() as c:
+    with current_db().tx() as c:
         run_id = runs.create(
             c, source=source, state="RUNNING",
             project=field(data, "project", str, "default", max_len=200) or "default",
             experiment=field(data, "experiment", str, "", max_len=200),
             name=field(data, "name", str, "", max_len=200), config=config)
-    return runs.get(_db(), run_id), 201
+    return runs.get(current_db(), run_id), 201
 
 
 @bp.get("/runs")
@@ -50,7 +47,7 @@ def list_runs():
         except ValueError:
             raise BadRequest("'job_id' must be a job's number") from None
     return {"runs": runs.list_runs(
-        _db(), project=request.args.get("project"), experiment=request.args.get("experiment"),
+        current_db(), project=request.args.get("project"), experiment=request.args.get("experiment"),
         job_id=job_id, state=request.args.get("state"),
         limit=query_int("limit", 100, min=1, max=10000))}
 
@@ -68,9 +65,9 @@ def finish(run_id):
     status = field(body(), "status", str, "SUCCEEDED",
                    choices=("SUCCEEDED", "FAILED", "CANCELLED"))
     if run["source"] != "job":      # a job's outcome is what its agent reports
-        with _db().tx() as c:
+        with current_db().tx() as c:
             runs.finish(c, run_id, status)
-    return runs.get(_db(), run_id)
+    return runs.get(current_db(), run_id)
 
 
 def _opt_number(data, name, kind):
@@ -93,12 +90,12 @@ def add_checkpoint(run_id):
         raise BadRequest("'path' must not be empty")
     if not os.path.isabs(path) and run["job_id"]:
         # Relative paths are relative to the job's working dir on its host.
-        job = jobs.get(_db(), run["job_id"])
+        job = jobs.get(current_db(), run["job_id"])
         path = os.path.normpath(os.path.join(job["working_dir"], path))
     step = _opt_number(data, "step", int)
     epoch = _opt_number(data, "epoch", float)
     size = _opt_number(data, "size_bytes", int)
-    with _db().tx() as c:
+    with current_db().tx() as c:
         cur = c.execute(
             "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
             " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
@@ -117,7 +114,7 @@ def add_event(run_id):
     payload = field(data, "data", dict, {})
     step = _opt_number(data, "step", int)
     ts = _opt_number(data, "ts", int) or now_ms()
-    with _db().tx() as c:
+    with current_db().tx() as c:
         events.add(c, "USER", name, run_id=run_id, job_id=run["job_id"], node=run["node"],
                    data={"name": name, **payload}, step=step, ts=ts)
     return {"run_id": run_id, "name": name}, 201
@@ -127,6 +124,6 @@ def add_event(run_id):
 @requires("read")
 def list_events(run_id):
     run_or_404(run_id)
-    return {"events": events.list_events(_db(), run_id=run_id,
+    return {"events": events.list_events(current_db(), run_id=run_id,
                                          after_id=query_int("after", 0, min=0),
                                          limit=query_int("limit", 200, min=1, max=10000))}
