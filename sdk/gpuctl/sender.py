@@ -1,15 +1,22 @@
 """The sender thread and the few HTTP calls the SDK makes.
 
 One daemon thread per process, ``gpuctl-sdk-sender``. Each tick it moves queued points
-into batches on the spool (the order of points, checkpoints and events is kept), then, when
+into batches on the spool (the order of points, checkpoints and events is kept) and, when
 a server can be reached, sends what the spool holds, oldest first; new batches always queue
 behind older unacknowledged ones, so a replay never comes after newer data. When its own
 spool is empty it also replays spool files other processes left behind.
+
+The thread shares the training loop's GIL. It works in batches of up to BATCH_MAX points
+and, while it has a backlog, sleeps between them so that it takes at most SHARE of the
+interpreter (see ``Sender._pace``): a loop that logs faster than that loses its oldest
+queued points (counted in ``dropped``), never its speed.
 """
 
 import array
 import base64
+import itertools
 import json
+import operator
 import struct
 import sys
 import threading
@@ -19,7 +26,8 @@ import requests
 
 from . import spool as _spool
 
-BATCH_MAX = 1000  # points per POST
+BATCH_MAX = 5000  # points per spool record and POST
+SHARE = 0.1  # of the interpreter's time the sender may take while it has a backlog
 INTERVAL_S = 0.5
 TIMEOUT = (2.0, 5.0)  # connect, read
 RETRY_MIN_S = 0.5
@@ -27,20 +35,36 @@ RETRY_MAX_S = 30.0
 FOREIGN_SCAN_S = 30.0
 
 OK, RETRY, DROP, DENIED = "ok", "retry", "drop", "denied"
+_SEQ = operator.itemgetter(0)
 
 _PATHS = {"metrics": "metrics", "checkpoint": "checkpoints", "event": "events",
           "finish": "finish"}
 
 
-def _session(token):
+def _session(token, server):
     s = requests.Session()
     s.headers["Authorization"] = "Bearer %s" % token
     s.headers["Content-Type"] = "application/json"
     s.headers["User-Agent"] = "gpuctl-sdk"
+    try:
+        # Proxy and CA-bundle settings from the environment are read once for the one
+        # server this session talks to, not on every request (a quarter of requests' CPU
+        # per post, taken from the training loop's interpreter).
+        env = s.merge_environment_settings(server, {}, None, None, None)
+        s.proxies.update(env["proxies"])
+        s.verify = env["verify"]
+        s.trust_env = False
+    except Exception:
+        pass
     return s
 
 
 BINARY_TYPE = "application/x-gpuplane-points"
+
+
+def _wire_head(keys_json, n):
+    header = ('{"keys": %s}' % keys_json).encode()
+    return b"".join([b"GPP1", struct.pack("<I", len(header)), header, struct.pack("<I", n)])
 
 
 def binary_points(payload):
@@ -50,12 +74,10 @@ def binary_points(payload):
     None when a column does not fit (the JSON form is sent instead)."""
     try:
         body = json.loads(payload)
-        header = json.dumps({"keys": body["keys"]}).encode()
         if "cols" in body:      # written in column form already (see _write_metrics)
-            return b"".join([b"GPP1", struct.pack("<I", len(header)), header,
-                             struct.pack("<I", body["n"]), base64.b64decode(body["cols"])])
+            return _wire_head(json.dumps(body["keys"]), body["n"]) + base64.b64decode(body["cols"])
         points = body["points"]
-        out = [b"GPP1", struct.pack("<I", len(header)), header, struct.pack("<I", len(points))]
+        out = [_wire_head(json.dumps(body["keys"]), len(points))]
         for code, col in zip("Iqdq", zip(*points) if points else ((),) * 4):
             a = array.array(code, col)
             if sys.byteorder != "little":
@@ -97,7 +119,7 @@ def register(server, token, info, session=None):
                        "name": info.get("name") or "", "config": info.get("config"),
                        "source": "sdk"}, default=str)
     own = session is None
-    session = session or _session(token)
+    session = session or _session(token, server)
     try:
         outcome, answer = post(session, "%s/api/v1/runs" % server, body)
     finally:
@@ -153,15 +175,16 @@ class Sender(threading.Thread):
             self.join(join_s)
 
     def tick(self):
-        self.drain()
         r = self.r
         if r.server and r.token and time.monotonic() >= self._retry_at:
             if r.mode == "local":
                 self._promote()
             if r.mode != "local":
+                # moves and sends batch by batch, so a long backlog is sent as it goes
                 if self._send_pending() and time.monotonic() >= self._next_scan:
                     self._next_scan = time.monotonic() + FOREIGN_SCAN_S
                     self._replay_foreign()
+        self._move()  # what is still queued: local mode, or the server cannot be reached
         self._release_markers()
 
     # -- queue → spool --------------------------------------------------------------------
@@ -174,61 +197,90 @@ class Sender(threading.Thread):
             # another thread took a seq before us but queued after us: it was not lost
             self.r.dropped -= 1
 
-    def drain(self):
-        """Move everything queued into spool records, keeping points, checkpoints and
-        events in the order they were logged."""
+    def _pace(self, start):
+        """Called after each batch moved or sent, with the (thread CPU, wall) clocks read
+        before it. The training loop shares this interpreter's GIL, so while this thread
+        works through a backlog it sleeps until its CPU time is at most SHARE of the wall
+        time since `start`; when the loop logs faster than that allows, the bounded queue
+        drops its oldest points (counted) instead of the loop slowing down. A flush,
+        finish or checkpoint waiting on us lifts the limit."""
+        if self._stop_flag or self._markers or self.r.control:
+            return
+        cpu0, wall0 = start
+        due = (time.thread_time() - cpu0) / SHARE - (time.monotonic() - wall0)
+        if due > 0:
+            self.r.wake.wait(min(due, 0.5))
+
+    @staticmethod
+    def _clocks():
+        return time.thread_time(), time.monotonic()
+
+    def _move(self):
+        """Queue → spool, one batch at a time, paced."""
+        while not self._stop_flag:
+            start = self._clocks()
+            if not self.drain(BATCH_MAX):
+                return
+            self._pace(start)
+
+    def drain(self, limit=None):
+        """Move what is queued into spool records, keeping points, checkpoints and events
+        in the order they were logged. With only points queued, at most about `limit` of
+        them. Returns whether anything moved."""
         with self._lock:
             r = self.r
-            points, control = r.points, r.control
-            if not control and self._carry is None:
-                # the common case, only points: take them in bulk
-                n = len(points)
-                if not n:
-                    return
-                pop = points.popleft
-                items = [pop() for _ in range(n)]
-                first, last = items[0][0], items[-1][0]
-                if first >= self._expected and last - first == n - 1:
-                    r.dropped += first - self._expected
-                    self._expected = last + 1
-                else:
-                    for item in items:
-                        self._account(item[0])
-                for i in range(0, n, BATCH_MAX):
-                    self._write_metrics(items[i:i + BATCH_MAX])
-                return
-            batch = []
-            while True:
-                limit = control[0][0] if control else None
-                item = self._carry
-                self._carry = None
-                if item is None and points:
-                    try:
-                        item = points.popleft()
-                    except IndexError:
-                        item = None
-                if item is not None:
-                    if limit is None or item[0] < limit:
-                        self._account(item[0])
-                        batch.append(item)
-                        if len(batch) >= BATCH_MAX:
-                            self._write_metrics(batch)
-                            batch = []
-                        continue
-                    self._carry = item
-                if limit is None:
-                    break
-                if batch:
-                    self._write_metrics(batch)
-                    batch = []
-                seq, kind, payload = control.popleft()
+            if not r.control:
+                return self._points_before(None, limit)
+            moved = False
+            while r.control:
+                moved = self._points_before(r.control[0][0]) or moved
+                seq, kind, payload = r.control.popleft()
                 self._account(seq)
                 if kind == "flush":
                     self._markers.append(payload)
                 else:
                     r.spool.append(kind, payload, 0)
-            if batch:
-                self._write_metrics(batch)
+                moved = True
+            return self._points_before(None) or moved
+
+    def _points_before(self, bound, limit=None):
+        """Write the queued points logged before seq `bound` (all when None), at most about
+        `limit`, as metrics records. Returns whether any moved."""
+        points = self.r.points
+        items = []
+        if self._carry is not None:
+            if bound is not None and self._carry[0] >= bound:
+                return False
+            items.append(self._carry)
+            self._carry = None
+        n = len(points)
+        if limit is not None and n > limit:
+            n = limit
+        # (with a control item queued, every seq is checked: two logging threads can
+        # queue their points out of seq order)
+        if n and (bound is None or max(map(_SEQ, itertools.islice(points, n))) < bound):
+            # the common case, in bulk: n pops in C. The deque never holds fewer than n
+            # here (only this thread pops; an append to a full one adds what it drops).
+            items += itertools.islice(iter(points.popleft, None), n)
+        else:
+            while points:  # a control item falls among them: one at a time
+                item = points.popleft()
+                if item[0] >= bound:
+                    self._carry = item
+                    break
+                items.append(item)
+        if not items:
+            return False
+        first, last = items[0][0], items[-1][0]
+        if first >= self._expected and last - first == len(items) - 1:
+            self.r.dropped += first - self._expected
+            self._expected = last + 1
+        else:
+            for item in items:
+                self._account(item[0])
+        for i in range(0, len(items), BATCH_MAX):
+            self._write_metrics(items[i:i + BATCH_MAX])
+        return True
 
     def _write_metrics(self, batch):
         """Turn queued points into one spool record in the server's binary column form
@@ -236,20 +288,28 @@ class Sender(threading.Thread):
         little GIL time from the training loop."""
         try:
             _, names, steps, values, ts = zip(*batch)
-            index = {}
-            kidx = array.array("I", [index.setdefault(k, len(index)) for k in names])
+            n = len(names)
+            index = dict.fromkeys(names)
+            if len(index) == 1:
+                kidx = array.array("I", bytes(4 * n))
+            else:
+                for i, k in enumerate(index):
+                    index[k] = i
+                kidx = array.array("I", map(index.__getitem__, names))
             cols = [kidx, array.array("q", steps), array.array("d", values),
-                    array.array("q", [round(t * 1000) for t in ts])]
+                    array.array("q", [int(t * 1000.0) for t in ts])]
         except (OverflowError, ValueError, TypeError):
             return self._write_metric_rows(batch)   # a step or value that does not fit
         if sys.byteorder != "little":
             for c in cols:
                 c.byteswap()
-        keys = [k if type(k) is str else str(k) for k in index]
-        self.r.latest.update((keys[index[k]], float(v)) for k, v in dict(zip(names, values)).items())
-        blob = base64.b64encode(b"".join(c.tobytes() for c in cols)).decode()
-        self.r.spool.append("metrics", json.dumps({"keys": keys, "n": len(kidx), "cols": blob}),
-                            len(kidx))
+        keys = json.dumps([k if type(k) is str else str(k) for k in index])
+        self.r.latest.update((k if type(k) is str else str(k), float(v))
+                             for k, v in dict(zip(names, values)).items())
+        data = b"".join([c.tobytes() for c in cols])
+        # base64 needs no JSON escaping, so the line is formatted, not encoded, here
+        text = '{"keys": %s, "n": %d, "cols": "%s"}' % (keys, n, base64.b64encode(data).decode())
+        self.r.spool.append("metrics", text, n, wire=_wire_head(keys, n) + data)
 
     def _write_metric_rows(self, batch):
         keys, index, rows = [], {}, []
@@ -266,7 +326,7 @@ class Sender(threading.Thread):
                     self.r.errors += 1
                     continue
             try:
-                add([i, step, value, round(ts * 1000)])
+                add([i, step, value, int(ts * 1000.0)])
             except (OverflowError, ValueError, TypeError):
                 self.r.errors += 1
         if rows:
@@ -297,12 +357,14 @@ class Sender(threading.Thread):
 
     def _http(self):
         if self._session is None:
-            self._session = _session(self.r.token)
+            self._session = _session(self.r.token, self.r.server)
         return self._session
 
     def _deliver(self, run_id, kind, payload):
         url = "%s/api/v1/runs/%s/%s" % (self.r.server, run_id, _PATHS[kind])
-        data = binary_points(payload) if kind == "metrics" else None
+        data = None
+        if kind == "metrics":
+            data = payload if type(payload) is bytes else binary_points(payload)
         if data is not None:
             outcome, _ = post(self._http(), url, data, BINARY_TYPE)
         else:
@@ -318,7 +380,8 @@ class Sender(threading.Thread):
     def _send_pending(self):
         r, sp = self.r, self.r.spool
         while not self._stop_flag:
-            self.drain()
+            start = self._clocks()
+            self.drain(BATCH_MAX)
             item = sp.peek()
             if item is None:
                 return True
@@ -333,6 +396,7 @@ class Sender(threading.Thread):
                 r.sent += n
             with self._lock:
                 sp.ack()
+            self._pace(start)
         return False
 
     def _promote(self):

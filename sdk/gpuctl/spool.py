@@ -19,8 +19,8 @@ try:
 except ImportError:  # Windows: no locks, so no replay of other processes' spools
     fcntl = None
 
-MEMORY_RECORDS = 64  # records held in memory besides the file
-MEMORY_MAX_RECORDS = 1000  # when there is no file
+MEMORY_RECORDS = 64  # records held in memory besides the file (at most 9 MB of points)
+MEMORY_MAX_RECORDS = 200  # when there is no file: about a million points, 28 MB
 
 
 def spool_dir():
@@ -82,7 +82,9 @@ class OwnSpool:
     def __init__(self, path, header):
         self.path = path
         self.header = header
-        self.pending = collections.deque()  # (end_offset, kind, payload, n_points)
+        # (end_offset, kind, payload, n_points); payload is the record's JSON text, or for
+        # a metrics batch written by this process the bytes that go on the wire
+        self.pending = collections.deque()
         self.unacked_points = 0
         self.failed = False
         self.errors = 0  # writes that failed: each one is a record living only in memory
@@ -113,8 +115,10 @@ class OwnSpool:
         self.failed = True
         return False
 
-    def append(self, kind, payload, n_points):
-        """Keep a record until the server acknowledges it."""
+    def append(self, kind, payload, n_points, wire=None):
+        """Keep a record until the server acknowledges it: ``payload`` (JSON text) goes to
+        the file; the copy kept in memory for sending is ``wire`` when given."""
+        held = payload if wire is None else wire
         self.unacked_points += n_points
         if self._open():
             try:
@@ -127,7 +131,7 @@ class OwnSpool:
                 os.write(self._fd, data)
                 self._size += len(data)
                 if self._read_pos >= before and len(self.pending) < MEMORY_RECORDS:
-                    self.pending.append((self._size, kind, payload, n_points))
+                    self.pending.append((self._size, kind, held, n_points))
                     self._read_pos = self._size
                 return
             except OSError:
@@ -138,7 +142,7 @@ class OwnSpool:
             _, _, _, n = self.pending.popleft()
             self.unacked_points -= n
             self.memory_drops += 1
-        self.pending.append((0, kind, payload, n_points))
+        self.pending.append((0, kind, held, n_points))
 
     def set_run(self, run_id, mode):
         # a local run that got registered later: what is on disk now belongs to run_id

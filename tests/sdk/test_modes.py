@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+from gpuctl import sender
 from sdkutil import spool_points, TOKEN, isnan, wait_for
 
 
@@ -14,7 +15,8 @@ def _spool_lines(path):
         return [json.loads(line) for line in f]
 
 
-def test_local_mode_writes_everything_to_the_spool(sdk, tmp_path):
+def test_local_mode_writes_everything_to_the_spool(sdk, tmp_path, monkeypatch):
+    monkeypatch.setattr(sender, "BATCH_MAX", 1000)  # so 2500 points make several records
     assert sdk.init(project="p", config={"lr": 0.1}) is None
     s = sdk.summary()
     assert s["mode"] == "local" and s["state"] == "running"
@@ -30,13 +32,15 @@ def test_local_mode_writes_everything_to_the_spool(sdk, tmp_path):
     assert lines[0]["config"] == {"lr": 0.1}
     steps = [p[1] for ln in lines if ln["t"] == "metrics" for p in spool_points(ln["body"])]
     assert steps == list(range(2500))
-    assert max(len(spool_points(ln["body"])) for ln in lines if ln["t"] == "metrics") <= 1000
+    sizes = [len(spool_points(ln["body"])) for ln in lines if ln["t"] == "metrics"]
+    assert max(sizes) <= 1000 and len(sizes) >= 3
     assert lines[-1]["t"] == "checkpoint" and lines[-1]["body"]["size_bytes"] == 0
     assert s["sent"] == 0 and s["queued"] == 2501 - 1  # the checkpoint is not a point
     assert [t.name for t in threading.enumerate()].count("gpuctl-sdk-sender") == 1
 
 
-def test_registered_mode_sends_everything_and_finishes_once(sdk, server):
+def test_registered_mode_sends_everything_and_finishes_once(sdk, server, monkeypatch):
+    monkeypatch.setattr(sender, "BATCH_MAX", 1000)  # so 5000 points take several posts
     run_id = sdk.init(project="mnist", experiment="sweep", name="r1", config={"lr": 1e-3},
                       server=server.url, token=TOKEN)
     assert run_id == "101"
@@ -50,7 +54,8 @@ def test_registered_mode_sends_everything_and_finishes_once(sdk, server):
     assert server.identities(101) == {(k, i) for i in range(2500)
                                       for k in ("train/loss", "train/acc")}
     assert all(p[0].startswith("/api/v1/runs/101/") for p in server.posts("/metrics"))
-    assert max(len(b["points"]) for _, b in server.posts("/metrics")) <= 1000
+    sizes = [len(b["points"]) for _, b in server.posts("/metrics")]
+    assert max(sizes) <= 1000 and len(sizes) >= 5
     s = sdk.summary()
     assert s["sent"] == 5000 and s["queued"] == 0 and s["spool"] is None
     assert s["latest"]["train/acc"] == 2499 / 2500
