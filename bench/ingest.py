@@ -2,12 +2,12 @@
 
 Starts `gpuplane.server.serve` (one gthread worker, as in production) on a free port in a
 temp home, registers one run per client, and has several client PROCESSES post batches
-of 1000 points in the compact wire format as fast as they can. Reports the points stored
+(of the SDK's size, 5000 points; --batch) in the compact wire format as fast as they can. Reports the points stored
 per second (rows counted in the database afterwards) beside the ceiling: a bare
 `executemany` of the same rows into the same `points` schema on a temp file, in the same
 run. Medians over --trials.
 
-    .venv/bin/python bench/ingest.py [--clients 3] [--seconds 5] [--trials 3]
+    .venv/bin/python bench/ingest.py [--clients 3] [--seconds 5] [--trials 3] [--batch N]
 """
 import argparse
 import json
@@ -22,19 +22,19 @@ import time
 
 import requests
 
+from gpuctl.sender import BATCH_MAX as SDK_BATCH
 from harness import free_port, start_server, stop_server
-BATCH = 1000
 KEYS = ["train/loss", "train/acc", "train/lr", "train/grad_norm"]
 
 
-def client(url, token, run_id, start_at, seconds, step0, result, fmt="json"):
+def client(url, token, run_id, start_at, seconds, step0, result, fmt, batch):
     """One SDK-like process: build each batch, serialise it, POST it, repeat."""
     from gpuplane.db.metrics import BINARY_TYPE, encode_binary
     session = requests.Session()
     session.headers.update({"Authorization": f"Bearer {token}",
                             "Content-Type": BINARY_TYPE if fmt == "binary"
                             else "application/json"})
-    per_key = BATCH // len(KEYS)
+    per_key = batch // len(KEYS)
     step = step0
     sent = 0
     while time.time() < start_at:
@@ -76,7 +76,7 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ingest_trial(url, token, db_path, clients, seconds, worker, fmt):
+def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
     runs = []
     for i in range(clients):
         r = requests.post(f"{url}/api/v1/runs", json={"name": f"bench-{i}", "source": "sdk"},
@@ -88,7 +88,7 @@ def ingest_trial(url, token, db_path, clients, seconds, worker, fmt):
     result = mp.Queue()
     start_at = time.time() + 1.0
     procs = [mp.Process(target=client,
-                        args=(url, token, run_id, start_at, seconds, 0, result, fmt))
+                        args=(url, token, run_id, start_at, seconds, 0, result, fmt, batch))
              for run_id in runs]
     for p in procs:
         p.start()
@@ -113,15 +113,15 @@ def count_points(db_path):
         conn.close()
 
 
-def ceiling(tmpdir, seconds):
-    """Bare executemany of the same rows into the same table, batches of 1000, WAL."""
+def ceiling(tmpdir, seconds, batch):
+    """Bare executemany of the same rows into the same table, same batch size, WAL."""
     path = pathlib.Path(tmpdir) / f"ceiling-{time.monotonic_ns()}.db"
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("CREATE TABLE points (key_id INTEGER NOT NULL, step INTEGER NOT NULL,"
                  " value REAL, ts INTEGER NOT NULL, PRIMARY KEY (key_id, step)) WITHOUT ROWID")
-    per_key = BATCH // len(KEYS)
+    per_key = batch // len(KEYS)
     step, n = 0, 0
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -148,6 +148,9 @@ def main():
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--format", choices=("json", "binary", "both"), default="both",
                     help="wire format of the batches (docs/api.md)")
+    ap.add_argument("--batch", type=int, default=SDK_BATCH,
+                    help="points per POST and rows per ceiling transaction "
+                         "(default: the SDK's, %(default)s)")
     args = ap.parse_args()
     formats = ("json", "binary") if args.format == "both" else (args.format,)
     mp.set_start_method("spawn")
@@ -161,13 +164,14 @@ def main():
         ceilings, cpu_ceilings = [], []
         try:
             for t in range(args.trials):
-                ceil, ceil_cpu = ceiling(tmp, min(args.seconds, 3))
+                ceil, ceil_cpu = ceiling(tmp, min(args.seconds, 3), args.batch)
                 ceilings.append(ceil)
                 cpu_ceilings.append(ceil_cpu)
                 line = f"trial {t + 1}: ceiling {ceil:>9,.0f} rows/s"
                 for fmt in formats:
                     rate, stored, sent, per_cpu = ingest_trial(
-                        url, token, db_path, args.clients, args.seconds, worker, fmt)
+                        url, token, db_path, args.clients, args.seconds, worker, fmt,
+                        args.batch)
                     results[fmt][0].append(rate)
                     results[fmt][1].append(per_cpu)
                     line += f"  {fmt} {rate:>9,.0f} points/s ({per_cpu:,.0f}/server CPU-s)"
@@ -175,7 +179,7 @@ def main():
         finally:
             stop_server(proc)
         ceil, ceil_cpu = med(ceilings), med(cpu_ceilings)
-        print(f"\ningest over REST ({args.clients} client processes, batches of {BATCH}, "
+        print(f"\ningest over REST ({args.clients} client processes, batches of {args.batch}, "
               f"1 gunicorn gthread worker), median of {args.trials}, {os.cpu_count()} cores:")
         print("                        wall clock           per CPU-second of the writer")
         print(f"  raw executemany    {ceil:>10,.0f} rows/s     {ceil_cpu:>10,.0f}"
