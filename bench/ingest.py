@@ -2,10 +2,10 @@
 
 Starts `gpuplane.server.serve` (one gthread worker, as in production) on a free port in a
 temp home, registers one run per client, and has several client PROCESSES post batches
-(of the SDK's size, 5000 points; --batch) in the compact wire format as fast as they can. Reports the points stored
-per second (rows counted in the database afterwards) beside the ceiling: a bare
-`executemany` of the same rows into the same `points` schema on a temp file, in the same
-run. Medians over --trials.
+(of the SDK's size, 5000 points; --batch) in the compact wire format as fast as they
+can. Reports the points stored per second (rows counted in the database afterwards)
+beside the ceiling: a bare `executemany` of the same rows into the same `points` schema
+on a temp file, in the same run. Medians over --trials.
 
     .venv/bin/python bench/ingest.py [--clients 3] [--seconds 5] [--trials 3] [--batch N]
 """

@@ -155,7 +155,8 @@ os._exit(0)  # peers' own exit hooks (wandb sync, mlflow) are not what is measur
 SUSTAINED = r'''
 import json, os, sys, time
 from gpuctl import run
-sink, keys, step_us, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+sink, keys, step_us, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), \
+    float(sys.argv[4])
 run.init(server=sink, token="bench")
 log = run.log
 metrics = {"k%d" % j: 0.5 for j in range(keys)}

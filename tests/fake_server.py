@@ -21,6 +21,7 @@ class FakeServer:
         self.epoch = None
         self.cursor = 0
         self.applied = []              # records applied, in order (the server's truth)
+        self.swallowed = []            # records of the batches swallowed while ack is False
         self.batches = 0
         self.hellos, self.syncs, self.closes = [], [], []
         self.heartbeats = 0
@@ -143,6 +144,7 @@ class FakeServer:
             if kind == "batch":
                 self.batches += 1
                 if not self.ack:
+                    self.swallowed.extend(msg["records"])
                     return None
                 new = [r for r in msg["records"] if r["seq"] > self.cursor]
                 if new and new[0]["seq"] != self.cursor + 1:

@@ -657,10 +657,11 @@ def test_reconnect_replays_without_loss_or_duplicates(tmp_path, server):
                         what="five lines")
         server.ack = False            # batches vanish: the agent must time out and replay
         gate.write_text("go")
-        server.wait_for(lambda: server.batches >= 1 and a.outbox.last_seq > server.cursor,
-                        what="unacked batch")
+        server.wait_for(lambda: any(r["kind"] == "job" and r["state"] == "EXITED"
+                                    for r in server.swallowed), what="EXITED sent, lost")
+        assert a.outbox.last_seq > server.cursor
+        server.drop()                 # so the replay can only come on a new connection
         server.ack = True
-        server.drop()
         server.wait_for(lambda: [r for r in server.applied if r["kind"] == "job"
                                  and r["state"] == "EXITED"], what="EXITED after replay")
         lines = [ln for r in server.records("log") for ln in r["lines"]]

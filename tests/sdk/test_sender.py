@@ -29,7 +29,8 @@ def _records(r):
     for ln in lines:
         if ln["t"] == "metrics":
             keys = ln["body"]["keys"]
-            out.append(("metrics", [(keys[k], step) for k, step, _, _ in spool_points(ln["body"])]))
+            points = spool_points(ln["body"])
+            out.append(("metrics", [(keys[k], step) for k, step, _, _ in points]))
         else:
             out.append((ln["t"], ln["body"]))
     return out
