@@ -209,7 +209,10 @@ class Sender(threading.Thread):
         cpu0, wall0 = start
         due = (time.thread_time() - cpu0) / SHARE - (time.monotonic() - wall0)
         if due > 0:
-            self.r.wake.wait(min(due, 0.5))
+            wake = self.r.wake
+            wake.clear()  # an old wake-up must not cut every later pause short
+            if not self.r.control:  # (one queued since the check above set it before)
+                wake.wait(min(due, 0.5))
 
     @staticmethod
     def _clocks():

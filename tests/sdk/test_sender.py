@@ -103,7 +103,11 @@ class _Clock:
 
 def _waits(r, monkeypatch):
     asked = []
-    monkeypatch.setattr(r.wake, "wait", lambda t=None: asked.append(t))
+
+    def wait(t=None):
+        assert not r.wake.is_set()  # a stale wake-up would end the pause at once
+        asked.append(t)
+    monkeypatch.setattr(r.wake, "wait", wait)
     return asked
 
 
@@ -111,6 +115,7 @@ def test_the_sender_sleeps_until_its_share_of_the_interpreter_is_spent(stopped, 
     r = stopped
     clock = _Clock(monkeypatch)
     asked = _waits(r, monkeypatch)
+    r.wake.set()         # e.g. left by a checkpoint queued and already moved
     start = r.sender._clocks()
     clock.cpu += 0.004   # a batch took 4 ms of this thread's CPU
     clock.wall += 0.006  # over 6 ms of wall time (the rest waiting for the GIL)
