@@ -128,9 +128,11 @@ def test_cancel_kills_the_whole_process_tree(live_server, agent, tmp_path):
                 for _ in range(2)]
         if os.fork() == 0:
             time.sleep(600)
-        time.sleep(0.5)
         import psutil
         me = psutil.Process()
+        deadline = time.monotonic() + 30   # until all five descendants exist
+        while len(me.children(recursive=True)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
         open({str(pids)!r}, "w").write(" ".join(str(p.pid) for p in [me] + me.children(recursive=True)))
         print("tree up", flush=True)
         time.sleep(600)

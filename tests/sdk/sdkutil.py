@@ -10,7 +10,8 @@ import socket
 import struct
 import sys
 import threading
-import time
+
+from procs import wait_for  # noqa: F401  (the SDK tests import it from here)
 
 SDK_DIR = pathlib.Path(__file__).resolve().parents[2] / "sdk"
 if str(SDK_DIR) not in sys.path:
@@ -18,15 +19,6 @@ if str(SDK_DIR) not in sys.path:
 
 TOKEN = "test-token"
 
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("timed out after %ss waiting for %s" % (timeout, what))
 
 
 class IngestServer:
