@@ -1,0 +1,98 @@
+"""Online backups (gpuplane/db/backup.py): taken while a real server ingests, restored into
+a home whose server then starts on it."""
+import sqlite3
+import threading
+
+import pytest
+
+from gpuplane.db import backup
+from procs import ServerProc, wait_for
+
+
+def _ingest_until(api, stop, seen):
+    """Register runs and post points until told to stop; `seen` records, per run, the
+    points the server acknowledged (so everything in it happened before a later backup)."""
+    step = 0
+    while not stop.is_set():
+        run = api.post("/api/v1/runs", {"project": "bk", "name": f"r{len(seen)}"}, expect=201)
+        for _ in range(5):
+            points = [[0, step + i, float(i), 0] for i in range(200)]
+            r = api.post(f"/api/v1/runs/{run['id']}/metrics",
+                         {"keys": ["loss"], "points": points}, expect=200)
+            step += 200
+            seen[run["id"]] = seen.get(run["id"], 0) + r["accepted"]
+        api.post("/api/v1/jobs", {"command": ["true"], "working_dir": "/tmp", "name": "bk"},
+                 expect=201)
+
+
+def test_a_backup_during_ingest_restores_to_a_consistent_database(server_factory, tmp_path):
+    server = server_factory(name="live")
+    stop, seen = threading.Event(), {}
+    writer = threading.Thread(target=_ingest_until, args=(server.api, stop, seen))
+    writer.start()
+    try:
+        wait_for(lambda: len(seen) >= 3, 60, what="some runs ingested")
+        before = dict(seen)
+        jobs_before = {j["id"] for j in server.api.get("/api/v1/jobs?limit=10000")["jobs"]}
+        info = backup.take(server.home, keep=3)
+        wait_for(lambda: len(seen) > len(before) + 1, 60, what="ingest going on after it")
+    finally:
+        stop.set()
+        writer.join(60)
+    assert info["path"].startswith(str(server.home / "backups"))
+    assert backup.check(info["path"])["schema_version"] >= 2
+
+    conn = sqlite3.connect(info["path"])
+    runs = dict(conn.execute("SELECT r.id, COUNT(p.step) FROM runs r JOIN metric_keys k"
+                             " ON k.run_id = r.id JOIN points p ON p.key_id = k.id"
+                             " GROUP BY r.id").fetchall())
+    job_ids = {r[0] for r in conn.execute("SELECT id FROM jobs")}
+    conn.close()
+    for run_id, n in before.items():
+        assert runs.get(run_id, 0) >= n, f"run {run_id} lost points in the backup"
+    assert jobs_before <= job_ids
+
+    server.stop()
+    restored = ServerProc(tmp_path / "restored")
+    restored_info, kept = backup.restore(restored.home, info["path"])
+    assert kept is None and restored_info["jobs"] == len(job_ids)
+    restored.start()
+    try:
+        listed = {j["id"] for j in restored.api.get("/api/v1/jobs?limit=10000")["jobs"]}
+        assert jobs_before <= listed
+        some_run = next(iter(before))
+        assert restored.api.get(f"/api/v1/runs/{some_run}", expect=200)["project"] == "bk"
+    finally:
+        restored.stop()
+
+
+def test_keep_prunes_the_oldest_backups(live_server):
+    paths = [backup.take(live_server.home, keep=2)["path"] for _ in range(4)]
+    left = [b["path"] for b in backup.list_backups(live_server.home)]
+    assert left == paths[-2:]
+
+
+def test_restore_refuses_a_damaged_file_and_keeps_the_database(tmp_path, live_server):
+    live_server.api.post("/api/v1/jobs", {"command": ["true"], "working_dir": "/tmp"},
+                         expect=201)
+    good = backup.take(live_server.home)["path"]
+    bad = tmp_path / "bad.db"
+    data = bytearray(open(good, "rb").read())
+    data[100:4096] = b"\xff" * (4096 - 100)
+    bad.write_bytes(bytes(data))
+    with pytest.raises(backup.BackupError):
+        backup.restore(tmp_path / "home", bad)
+    assert not (tmp_path / "home" / "server" / "gpuctl.db").exists()
+    with pytest.raises(backup.BackupError, match="not a readable|integrity"):
+        backup.check(bad)
+    (tmp_path / "empty.db").write_bytes(b"")
+    with pytest.raises(backup.BackupError, match="not a GPUPlane database"):
+        backup.check(tmp_path / "empty.db")
+
+
+def test_restore_keeps_the_database_it_replaces(tmp_path, live_server):
+    good = backup.take(live_server.home)["path"]
+    home = tmp_path / "home2"
+    backup.restore(home, good)
+    info, kept = backup.restore(home, good)
+    assert kept and backup.check(kept)["schema_version"] == info["schema_version"]
