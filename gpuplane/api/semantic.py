@@ -1,0 +1,117 @@
+"""The semantic layer over REST: diagnosis, comparisons, failure explanations.
+
+  GET /runs/<id>/diagnosis?key=           diagnose_run (key: the metric that decides)
+  GET /runs:compare?ids=1,2&keys=a,b      compare_runs
+  GET /jobs/<id>/explanation              explain_failure
+  GET /checkpoints:compare?runs=1,2&key=  compare_checkpoints, with the recommendation
+The work is in gpuplane/analysis.py (pure functions) on data from gpuplane/db/analysis.py.
+"""
+import json
+import math
+
+from flask import Blueprint, Response, request
+
+from .. import analysis
+from ..auth import requires
+from ..db import analysis as load, metrics, now_ms
+from ..errors import BadRequest, NotFound
+from . import current_db
+
+bp = Blueprint("semantic", __name__, url_prefix="/api/v1")
+
+MAX_COMPARE = 20
+
+
+def _json(obj):
+    return Response(json.dumps(_clean(obj), separators=(",", ":"), allow_nan=False),
+                    mimetype="application/json")
+
+
+def _clean(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return analysis.wire(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _ids(name, example, required=True):
+    raw = request.args.get(name, "")
+    try:
+        ids = list(dict.fromkeys(int(x) for x in raw.split(",") if x.strip()))
+    except ValueError:
+        raise BadRequest(f"'{name}' must be ids separated by commas, e.g. {name}={example}; "
+                         f"got {raw[:60]!r}") from None
+    if required and not ids:
+        raise BadRequest(f"'{name}' is required: ids separated by commas, e.g. {name}={example}")
+    if len(ids) > MAX_COMPARE:
+        raise BadRequest(f"'{name}' lists {len(ids)} ids; compare at most {MAX_COMPARE}")
+    return ids
+
+
+def _bundle(run_id):
+    b = load.run_bundle(current_db(), run_id)
+    if b is None:
+        raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
+    return b
+
+
+@bp.get("/runs/<int:run_id>/diagnosis")
+@requires("read")
+def diagnosis(run_id):
+    b = _bundle(run_id)
+    key = request.args.get("key") or None
+    if key and not any(k["key"] == key for k in b["keys"]):
+        names = ", ".join(k["key"] for k in b["keys"]) or "none yet"
+        raise BadRequest(f"run {run_id} has no metric {key!r}; its metrics: {names}")
+    return _json(analysis.diagnose_run(b["run"], b["keys"],
+                                       load.run_events(current_db(), run_id),
+                                       now_ms=now_ms(), primary=key))
+
+
+@bp.get("/runs:compare")
+@requires("read")
+def compare_runs():
+    ids = _ids("ids", "3,4")
+    if len(ids) < 2:
+        raise BadRequest("'ids' needs at least two different runs to compare")
+    keys = [k for k in request.args.get("keys", "").split(",") if k.strip()] or None
+    bundles = [_bundle(i) for i in ids]
+    try:
+        result = analysis.compare_runs(bundles, keys=keys, primary=request.args.get("key"))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return _json(result)
+
+
+@bp.get("/jobs/<int:job_id>/explanation")
+@requires("read")
+def explanation(job_id):
+    job, lines, runs = load.job_with_logs(current_db(), job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} does not exist; list jobs with `gpuplane job list`")
+    return _json(analysis.explain_failure(job, lines, runs))
+
+
+@bp.get("/checkpoints:compare")
+@requires("read")
+def compare_checkpoints():
+    run_ids = _ids("runs", "3,4")
+    bundles = [_bundle(i) for i in run_ids]
+    key = request.args.get("key") or None
+    names = sorted({k["key"] for b in bundles for k in b["keys"]})
+    if key is None:
+        key = analysis.pick_primary([{"key": n} for n in names])
+    elif key not in names:
+        raise BadRequest(f"no run among {run_ids} has the metric {key!r}; they have: "
+                         f"{', '.join(names) or 'no metrics yet'}")
+    direction = next((k["direction"] for b in bundles for k in b["keys"] if k["key"] == key),
+                     metrics.direction(key or ""))
+    cks = load.checkpoints(current_db(), run_ids, [key] if key else [])
+    result = analysis.compare_checkpoints(cks, key, direction)
+    best = analysis.get_best_checkpoint(cks, key, direction)
+    result["recommendation"] = {k: best[k] for k in
+                                ("checkpoint", "runner_up", "margin", "source", "reason")}
+    return _json(result)
