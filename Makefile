@@ -3,7 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test man install clean-venv
+.PHONY: up test man install clean-venv wheels
+WHEELS ?= wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +31,9 @@ man: $(VENV)/.installed
 		--manual-title "GPUPlane manual" \
 		--output man/gpuplane.1
 	@echo "wrote man/gpuplane.1 (view: man ./man/gpuplane.1)"
+
+# An offline install kit: GPUPlane and every dependency as wheels for this Python and
+# platform (docs/deploy.md). On the target: pip install --no-index --find-links wheels gpuplane
+wheels: | $(BIN)/python
+	$(BIN)/python -m pip wheel --wheel-dir $(WHEELS) .
+	@echo "wrote $(WHEELS)/ (copy it to the target; see docs/deploy.md)"
