@@ -8,6 +8,7 @@ import json
 import os
 import random
 import time
+import urllib.parse
 
 import requests
 
@@ -270,6 +271,16 @@ class Client:
     def get_run(self, run_id):
         return self.get(f"runs/{run_id}")
 
+    def run_metrics(self, run_id):
+        """Per metric key of the run: count, latest, best, direction, trend."""
+        return self.get(f"runs/{run_id}/metrics")["keys"]
+
+    def metric_series(self, run_id, key, max_points=None, from_step=None, to_step=None):
+        """One key's downsampled series. The key is quoted whole: keys hold `/`, and may
+        hold `?`, `#`, spaces or any other character."""
+        return self.get(f"runs/{run_id}/metrics/{quote(key)}", max_points=max_points,
+                        from_step=from_step, to_step=to_step)
+
     def create_run(self, project=None, experiment=None, name=None, config=None):
         body = {"project": project, "experiment": experiment, "name": name,
                 "config": config, "source": "sdk"}
@@ -289,6 +300,11 @@ class Client:
     def add_event(self, run_id, name, data=None, step=None, ts=None):
         return self.post(f"runs/{run_id}/events", {
             "name": name, "data": data, "step": step, "ts": ts})
+
+
+def quote(part):
+    """One path segment, every reserved character escaped (`/` too)."""
+    return urllib.parse.quote(str(part), safe="")
 
 
 def _error_from(resp, data):

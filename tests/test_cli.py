@@ -91,6 +91,9 @@ BAD = [
     (["job", "submit", "-n", "x"], "required: CMD"),
     (["job", "submit", "-n", "x", "python", "train.py", "--epochs", "3"],
      "unrecognized arguments: --epochs"),
+    # Issue 9 item 14: the usual cause is named.
+    (["job", "submit", "-n", "x", "python", "train.py", "--epochs", "3"],
+     "hint: put `--` before the job's command"),
     (["job", "submit", "--env", "NOEQUALS", "--", "ls"], "expected KEY=VALUE"),
     (["job", "submit", "-g", "-1", "--", "ls"], "expected"),
     (["job", "list", "--state", "SLEEPING"], "invalid choice"),
@@ -118,11 +121,11 @@ def test_exit_when_done_needs_example(capsys, tmp_path):
 
 def test_submit_body_sends_the_dir_as_given_and_a_shell_line_as_a_string(monkeypatch):
     parse = cli.get_parser().parse_args
-    command, wd, fields = cli._job_body(parse(
+    command, wd, fields = cli.jobs.job_body(parse(
         ["job", "submit", "-d", "relative/dir", "--", "python", "sub/train.py"]))
     assert command == ["python", "sub/train.py"] and wd == "relative/dir"
     assert fields["name"] == "train" and fields["cpu_only"] is None
-    command, wd, fields = cli._job_body(parse(["job", "submit", "-g", "0", "--", "echo a | wc"]))
+    command, wd, fields = cli.jobs.job_body(parse(["job", "submit", "-g", "0", "--", "echo a | wc"]))
     assert command == "echo a | wc" and wd == os.getcwd()
     assert fields["cpu_only"] is True and fields["gpus"] == 0 and fields["name"] == "echo"
 
@@ -203,9 +206,10 @@ def test_show_admin_without_a_server_toml_names_the_fix(tmp_path, capsys):
     assert err.startswith("error: ") and "gpuplane server" in err and "server.toml" in err
 
 
-def test_unreachable_server_is_one_line_and_exit_4(capsys):
+def test_unreachable_server_is_one_line_and_exit_4(capsys, monkeypatch):
     url = f"http://127.0.0.1:{free_port()}"
-    assert cli.main(["--server", url, "--token", "t", "job", "list"]) == cli.EXIT_UNREACHABLE
+    monkeypatch.setenv("GPUCTL_TOKEN", "t")
+    assert cli.main(["--server", url, "job", "list"]) == cli.EXIT_UNREACHABLE
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot reach the GPUPlane server at {url}")
     assert len(err.strip().splitlines()) == 1
@@ -302,8 +306,17 @@ def run_cli(stack, *argv):
     import contextlib
     import io
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["--server", stack["url"], "--token", stack["token"], *argv])
+    # The token in the environment, as the docs say: on a command line `ps` shows it.
+    saved = os.environ.get("GPUCTL_TOKEN")
+    os.environ["GPUCTL_TOKEN"] = stack["token"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["--server", stack["url"], *argv])
+    finally:
+        if saved is None:
+            os.environ.pop("GPUCTL_TOKEN", None)
+        else:
+            os.environ["GPUCTL_TOKEN"] = saved
     return code, out.getvalue(), err.getvalue()
 
 
@@ -371,9 +384,9 @@ def test_cancel_retry_and_logs_follow(stack, tmp_path):
     out_path = tmp_path / "follow.out"
     with open(out_path, "wb") as out_file:
         follower = subprocess.Popen(
-            [sys.executable, "-m", "gpuplane", "--server", stack["url"], "--token",
-             stack["token"], "logs", "-f", str(job_id)],
-            env=_env(), stdout=out_file, stderr=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "gpuplane", "--server", stack["url"], "logs", "-f",
+             str(job_id)],
+            env=dict(_env(), GPUCTL_TOKEN=stack["token"]), stdout=out_file, stderr=subprocess.PIPE, text=True)
     try:
         _wait("the follower printing", lambda: out_path.read_text().startswith("started\n"))
         code, out, _ = run_cli(stack, "job", "cancel", str(job_id))
@@ -490,3 +503,30 @@ def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
     with pytest.raises(client.ServerUnreachable):
         client.Client(url, "-").health()
     assert (home / "logs" / "server.log").exists() and (home / "logs" / "agent.log").exists()
+
+
+def test_token_on_the_command_line_is_warned_about(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["--server", url, "--token", "secret", "whoami"]) == cli.EXIT_UNREACHABLE
+    err = capsys.readouterr().err
+    assert err.startswith("warning: a token on the command line is visible")
+    assert "$GPUCTL_TOKEN" in err
+
+
+WEIRD_KEYS = ["train/loss", "what?yes", "a#b", "with space", "ünï/лосс", "pct%20x", "q&r=s"]
+
+
+def test_metric_keys_are_quoted_whole_by_the_client(live_server, capsys, monkeypatch):
+    c = client.Client(live_server.url, live_server.token)
+    run = c.create_run(project="quoting")["id"]
+    c.log_metrics(run, WEIRD_KEYS, [[i, s, float(s * (i + 1)), 0]
+                                    for i in range(len(WEIRD_KEYS)) for s in range(3)])
+    for i, key in enumerate(WEIRD_KEYS):
+        series = c.metric_series(run, key)
+        assert series["key"] == key
+        assert [p[0] for p in series["points"]] == [0, 1, 2], key
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    assert cli.main(["--server", live_server.url, "run", "show", str(run), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["metrics"]
+    assert sorted(k["key"] for k in shown) == sorted(WEIRD_KEYS)
+    assert all(len(k["sparkline"]) == 3 for k in shown)

@@ -5,7 +5,7 @@ import threading
 
 from procs import wait_for
 from gpuplane import cli
-from gpuplane.cli_runs import sparkline
+from gpuplane.cli.runs import sparkline
 
 
 def _run(api, name):
@@ -13,7 +13,7 @@ def _run(api, name):
                                      "source": "sdk"}, expect=201)["id"]
 
 
-def test_concurrent_ingest_and_cli(live_server, capsys):
+def test_concurrent_ingest_and_cli(live_server, capsys, monkeypatch):
     api = live_server.api
     run = _run(api, "long")
     other = _run(api, "other")
@@ -47,7 +47,8 @@ def test_concurrent_ingest_and_cli(live_server, capsys):
     loss = {k["key"]: k for k in summary["keys"]}["train/loss"]
     assert loss["trend"] == "improving" and loss["best"]["step"] == 19_999
 
-    args = ["--server", live_server.url, "--token", live_server.token]
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    args = ["--server", live_server.url]
     assert cli.main(["run", "list", "--project", "p", *args]) == 0
     out = capsys.readouterr().out
     assert "long" in out and "other" in out and str(other) in out

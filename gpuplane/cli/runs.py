@@ -1,22 +1,22 @@
 """`gpuplane run list` and `gpuplane run show ID`: runs and their metrics at a glance.
 
-Added to the CLI by gpuplane/cli.py (`add_parsers`); talks to the server over REST only.
 `run show` prints per metric the latest and best value, the trend and a small sparkline of
 the whole run (a max_points=20 series, the mean of each bucket).
 """
 import math
 
-from . import cli
+from .common import (EXIT_OK, ago, clock, duration, id_type, job_id_type, make_client, note,
+                     parents, positive_int, print_json, print_table)
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 20
 
 
-_run_id = cli.id_type("run", "gpuplane run list")
+run_id_type = id_type("run", "gpuplane run list")
 
 
-def add_parsers(subparsers):
-    conn, js = cli.common_parents()
+def add_parser(subparsers):
+    conn, js, _ = parents()
     run = subparsers.add_parser("run", help="list runs and show their metrics",
                                 description="list runs and show their metrics")
     sub = run.add_subparsers(dest="run_command", metavar="SUBCOMMAND", required=True)
@@ -25,38 +25,38 @@ def add_parsers(subparsers):
                        "newest first", parents=[conn, js])
     p.add_argument("--project", metavar="P", help="only runs of this project")
     p.add_argument("--experiment", metavar="E", help="only runs of this experiment")
-    p.add_argument("--job", type=cli._job_id, metavar="ID", help="only the runs of this job")
-    p.add_argument("--limit", type=cli._positive_int, default=50,
+    p.add_argument("--job", type=job_id_type, metavar="ID", help="only the runs of this job")
+    p.add_argument("--limit", type=positive_int, default=50,
                    help="at most this many (default 50)")
     p.set_defaults(func=cmd_run_list)
 
     p = sub.add_parser("show", help="show a run: per metric latest, best, trend, sparkline",
                        description="show a run: per metric latest, best, trend and a "
                        "sparkline of the whole run", parents=[conn, js])
-    p.add_argument("run_id", type=_run_id, metavar="ID")
+    p.add_argument("run_id", type=run_id_type, metavar="ID")
     p.set_defaults(func=cmd_run_show)
 
 
 def cmd_run_list(args):
-    runs = cli.make_client(args).list_runs(project=args.project, experiment=args.experiment,
+    runs = make_client(args).list_runs(project=args.project, experiment=args.experiment,
                                            job_id=args.job, limit=args.limit)
     if args.json:
-        cli.print_json(runs)
-        return cli.EXIT_OK
+        print_json(runs)
+        return EXIT_OK
     if not runs:
-        cli._note("no runs" + _filters(args) + "; a job's attempt or the SDK "
+        note("no runs" + _filters(args) + "; a job's attempt or the SDK "
                   "(`gpuctl.init()`) makes one")
-        return cli.EXIT_OK
+        return EXIT_OK
     rows = []
     for r in runs:
         job = f"{r['job_id']}/{r.get('attempt') or 1}" if r.get("job_id") else None
         rows.append([r["id"], r.get("name") or None, r.get("project"),
                      r.get("experiment") or None, r.get("state"), r.get("source"), job,
-                     cli.ago(r.get("created_at")),
-                     cli.duration(r.get("started_at"), r.get("ended_at"))])
-    cli.print_table(rows, ["ID", "NAME", "PROJECT", "EXPERIMENT", "STATE", "SOURCE",
+                     ago(r.get("created_at")),
+                     duration(r.get("started_at"), r.get("ended_at"))])
+    print_table(rows, ["ID", "NAME", "PROJECT", "EXPERIMENT", "STATE", "SOURCE",
                            "JOB/ATTEMPT", "CREATED", "RAN"])
-    return cli.EXIT_OK
+    return EXIT_OK
 
 
 def _filters(args):
@@ -66,37 +66,37 @@ def _filters(args):
 
 
 def cmd_run_show(args):
-    client = cli.make_client(args)
+    client = make_client(args)
     run = client.get_run(args.run_id)
-    keys = client.get(f"runs/{args.run_id}/metrics")["keys"]
+    keys = client.run_metrics(args.run_id)
     for k in keys:
-        series = client.get(f"runs/{args.run_id}/metrics/{k['key']}", max_points=SPARK_WIDTH)
+        series = client.metric_series(args.run_id, k["key"], max_points=SPARK_WIDTH)
         k["sparkline"] = sparkline(series["points"])
     if args.json:
-        cli.print_json({"run": run, "metrics": keys})
-        return cli.EXIT_OK
+        print_json({"run": run, "metrics": keys})
+        return EXIT_OK
     title = f"run {run['id']}" + (f" {run['name']}" if run.get("name") else "")
     where = "/".join(x for x in (run.get("project"), run.get("experiment")) if x)
     print(f"{title}  {run.get('state')}  {where}".rstrip())
     facts = [("source", run.get("source")),
              ("job", f"{run['job_id']} attempt {run.get('attempt')}" if run.get("job_id")
               else None),
-             ("node", run.get("node")), ("created", cli.clock(run.get("created_at"))),
-             ("ran", cli.duration(run.get("started_at"), run.get("ended_at"))),
+             ("node", run.get("node")), ("created", clock(run.get("created_at"))),
+             ("ran", duration(run.get("started_at"), run.get("ended_at"))),
              ("exit", run.get("exit_code")), ("failure", run.get("failure_kind"))]
     print("  " + "   ".join(f"{k}: {v}" for k, v in facts if v is not None))
     if not keys:
         print("no metrics yet")
-        return cli.EXIT_OK
+        return EXIT_OK
     print()
     rows = []
     for k in keys:
         latest, best = k.get("latest"), k.get("best")
         rows.append([k["key"], _at(latest), _at(best), k["direction"], k["trend"],
                      k["count"], k["sparkline"]])
-    cli.print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
+    print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
                            "WHOLE RUN"])
-    return cli.EXIT_OK
+    return EXIT_OK
 
 
 def _at(point):

@@ -1,0 +1,291 @@
+"""What every command module of the CLI shares: exit codes, argument types, the
+connection flags, output helpers, the client, and following a job's logs.
+
+Top-level imports are the standard library only (see gpuplane/cli/__init__.py).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import sys
+import time
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_CANCELLED = 3
+EXIT_UNREACHABLE = 4
+EXIT_FAILED = 5
+EXIT_INTERRUPTED = 130
+
+JOB_STATES = ["QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
+FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELLED"}
+TOKEN_SCOPES = ["read", "write", "admin", "agent"]
+
+
+class CliError(Exception):
+    """A problem on this side, reported as one `error:` line with this exit code."""
+
+    def __init__(self, message, code=EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+# -- argument types ------------------------------------------------------------------------
+
+
+def env_pair(text):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def id_type(noun, listing):
+    """An argparse type for positive ids, whose error says where to find them."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{noun} ids are numbers, got {text!r}; list them with `{listing}`") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{noun} ids start at 1, got {value}")
+        return value
+    return parse
+
+
+job_id_type = id_type("job", "gpuplane job list")
+
+
+def port_type(text):
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
+# -- the flags every command takes ---------------------------------------------------------
+
+
+def add_global_options(parser, suppress, home_only=False):
+    # The same flags on every subcommand, so `gpuplane job list --server X` works too;
+    # SUPPRESS there keeps a subcommand from resetting what was given before it.
+    default = argparse.SUPPRESS if suppress else None
+    g = parser.add_argument_group("connection")
+    if home_only:
+        g.add_argument("--home", metavar="DIR", default=default,
+                       help="GPUPlane home (default: $GPUCTL_HOME, else ~/.gpuctl)")
+        return
+    g.add_argument("--server", metavar="URL", default=default,
+                   help="server URL or HOST:PORT (default: $GPUCTL_SERVER, else the server "
+                        "in the local home's server.toml, else http://127.0.0.1:8600)")
+    g.add_argument("--token", metavar="TOKEN", default=default,
+                   help="API token; prefer $GPUCTL_TOKEN, since a command line is visible "
+                        "to every user in `ps` (default: $GPUCTL_TOKEN, else the local "
+                        "server's admin token when talking to that server)")
+    g.add_argument("--home", metavar="DIR", default=default,
+                   help="GPUPlane home (default: $GPUCTL_HOME, else ~/.gpuctl)")
+
+
+def parents():
+    """(conn, js, home): parent parsers for a subcommand: the connection flags, --json,
+    and --home alone (for commands that work on the local home, not over REST)."""
+    conn = argparse.ArgumentParser(add_help=False)
+    add_global_options(conn, suppress=True)
+    js = argparse.ArgumentParser(add_help=False)
+    js.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    home = argparse.ArgumentParser(add_help=False)
+    add_global_options(home, suppress=True, home_only=True)
+    return conn, js, home
+
+
+def command(subparsers, name, help, parents=(), **kw):
+    """Add a subcommand whose description is its help line."""
+    return subparsers.add_parser(name, help=help, description=help,
+                                 parents=list(parents), **kw)
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def note(text):
+    """A message for the human: on stderr, so stdout stays what a script reads."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def print_json(data):
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def print_table(rows, headers):
+    """Aligned plain-text columns; None shows as '-'."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, v in enumerate(row):
+            widths[i] = max(widths[i], len(v))
+    for row in [list(headers)] + cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
+def plural(n, noun):
+    """'1 GPU', '2 GPUs', '0 GPUs'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def ago(ms, now=None):
+    """'just now', '42s ago', '5m ago', '3h ago', '2d ago', then a date."""
+    if not ms:
+        return None
+    now = time.time() if now is None else now
+    s = now - ms / 1000
+    if s < 0:
+        s = 0
+    if s < 5:
+        return "just now"
+    if s < 60:
+        return f"{int(s)}s ago"
+    if s < 3600:
+        return f"{int(s // 60)}m ago"
+    if s < 86400:
+        return f"{int(s // 3600)}h ago"
+    if s < 7 * 86400:
+        return f"{int(s // 86400)}d ago"
+    return datetime.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M")
+
+
+def duration(start_ms, end_ms=None, now=None):
+    """'45s', '3m 12s', '1h 02m', '2d 03h' between two times (end: now)."""
+    if not start_ms:
+        return None
+    end = end_ms / 1000 if end_ms else (time.time() if now is None else now)
+    s = max(0, int(end - start_ms / 1000))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def clock(ms):
+    if not ms:
+        return None
+    return datetime.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def command_text(command):
+    if isinstance(command, list):
+        return shlex.join(command)
+    return command or ""
+
+
+def wants(job):
+    if job.get("cpu_only") or not job.get("gpus"):
+        return "cpu"
+    return plural(job["gpus"], "GPU")
+
+
+def gpu_list(indices):
+    return ",".join(str(i) for i in indices) if indices else None
+
+
+# CSI sequences (colours, cursor moves, screen clears), OSC sequences (window titles,
+# hyperlinks, clipboard writes), other ESC pairs, then any C0/C1 control left but tab.
+_CSI = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]")
+_SGR = re.compile(r"(?:\x1b\[|\x9b)[0-9;:]*m")
+_OSC = re.compile(r"(?:\x1b\]|\x9d).*?(?:\x07|\x1b\\|\x9c|$)", re.S)
+_ESC = re.compile(r"\x1b[@-Z\\-_]|\x1b[ -/]+[0-~]|\x1b")
+_CTRL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\x80-\x9f]")
+
+
+def clean_line(text, colour=False):
+    """A job's output line made safe for a terminal: control characters and escape
+    sequences removed; with colour, SGR (colour) sequences are kept."""
+    if "\x1b" not in text and not _CTRL.search(text):
+        return text
+    kept = []
+    if colour:
+        def keep(m):
+            kept.append(m.group(0))
+            return f"\x00{len(kept) - 1}\x00"
+        text = _SGR.sub(keep, text)
+    text = _OSC.sub("", text)
+    text = _CSI.sub("", text)
+    text = _ESC.sub("", text)
+    if colour:
+        parts = text.split("\x00")
+        # Odd parts are placeholders; anything else loses its control characters.
+        return "".join(kept[int(p)] if i % 2 and p.isdigit() else _CTRL.sub("", p)
+                       for i, p in enumerate(parts))
+    return _CTRL.sub("", text)
+
+
+# -- the client and jobs ---------------------------------------------------------------------
+
+
+def make_client(args):
+    from gpuplane.client import Client
+    return Client(getattr(args, "server", None), getattr(args, "token", None),
+                  getattr(args, "home", None))
+
+
+def outcome_code(state):
+    return {"SUCCEEDED": EXIT_OK, "FAILED": EXIT_FAILED,
+            "CANCELLED": EXIT_CANCELLED}.get(state, EXIT_ERROR)
+
+
+def failure_reason(job):
+    """The sentence that says why the job failed, if the server has one."""
+    if job.get("state") == "SUCCEEDED":
+        return None
+    return job.get("message") or None
+
+
+def describe_end(job):
+    text = f"job {job['id']} {job['state']}"
+    details = []
+    if job.get("failure_kind"):
+        details.append(job["failure_kind"])
+    if job.get("exit_code") is not None:
+        details.append(f"exit code {job['exit_code']}")
+    if job.get("started_at") and job.get("ended_at"):
+        details.append(f"ran {duration(job['started_at'], job['ended_at'])}")
+    text += f" ({', '.join(details)})" if details else ""
+    reason = failure_reason(job)
+    if reason:
+        text += f": {reason}"
+    return text
+
+
+def follow_job(client, job_id, tail=None, out=None, colour=False):
+    """Print the job's log lines until it ends; return its final job object."""
+    out = out or sys.stdout
+    attempt = None
+    try:
+        for line in client.stream_logs(job_id, tail=tail):
+            if attempt is not None and line.get("attempt") != attempt:
+                out.write(f"--- attempt {line.get('attempt')} ---\n")
+            attempt = line.get("attempt")
+            out.write(clean_line(line.get("text", ""), colour) + "\n")
+            out.flush()
+    except KeyboardInterrupt:
+        note(f"\nstopped following; job {job_id} keeps running "
+             f"(stop it with `gpuplane job cancel {job_id}`)")
+        raise
+    return client.get_job(job_id)

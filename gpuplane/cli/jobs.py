@@ -1,0 +1,267 @@
+"""`gpuplane job submit|list|show|cancel|retry` and `gpuplane logs`."""
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+
+from .common import (EXIT_OK, FINAL_STATES, JOB_STATES, ago, clean_line, clock, command,
+                     command_text, describe_end, duration, env_pair, follow_job, gpu_list,
+                     job_id_type, make_client, note, outcome_code, parents, positive_int,
+                     print_json, print_table, wants)
+
+SUBMIT_EPILOG = """\
+examples:
+  gpuplane job submit -n cpu-demo -g 0 -d "$PWD/examples/cpu" -- python train.py --epochs 3
+  gpuplane job submit -g 1 --tb-dir runs --watch checkpoints -- python train.py
+  gpuplane job submit --cpu-only -- 'for i in 1 2 3; do echo $i; done'
+
+Everything after `--` is the command; without `--` its own options (--epochs) would be
+read as options of `job submit`."""
+
+
+def add_parser(subparsers):
+    conn, js, _ = parents()
+    job = command(subparsers, "job", "submit, list, inspect, cancel and retry jobs",
+                  parents=(conn,))
+    jsub = job.add_subparsers(dest="job_command", metavar="JOB_COMMAND", required=True)
+
+    p = command(jsub, "submit", "submit a job: gpuplane job submit [options] -- CMD ARGS...",
+                parents=(conn, js), epilog=SUBMIT_EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--name",
+                   help="job name (default: the script's name, e.g. train for train.py)")
+    p.add_argument("-g", "--gpus", type=positive_int, metavar="N",
+                   help="GPUs wanted, all on one node (default 1; 0 means --cpu-only)")
+    p.add_argument("-d", "--dir", dest="working_dir", metavar="DIR",
+                   help="working directory on the agent's host, sent as given "
+                        "(default: the current directory)")
+    p.add_argument("--cpu-only", action="store_true", help="run without a GPU")
+    p.add_argument("--priority", type=int, metavar="P", help="higher runs first (default 0)")
+    p.add_argument("--max-attempts", type=positive_int, metavar="K",
+                   help="attempts when a node is lost (default: the server's)")
+    p.add_argument("--env", type=env_pair, action="append", default=[], metavar="K=V",
+                   help="environment variable for the job (repeatable)")
+    p.add_argument("--project", metavar="P", help="project of the job's runs")
+    p.add_argument("--experiment", metavar="E", help="experiment of the job's runs")
+    p.add_argument("--tb-dir", metavar="D", help="TensorBoard log directory to tail")
+    p.add_argument("--watch", metavar="D", help="checkpoint directory to watch")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="stream the logs until the job ends; exit with its outcome")
+    p.add_argument("--color", "--colour", dest="colour", action="store_true",
+                   help="with --follow: keep the job's colour codes (other control "
+                        "characters are always removed)")
+    p.add_argument("cmd", nargs="+", metavar="CMD",
+                   help="the command, after `--`; one quoted string runs through /bin/sh -c")
+    p.set_defaults(func=cmd_job_submit)
+
+    p = command(jsub, "list", "list jobs, newest first", parents=(conn, js))
+    p.add_argument("--state", type=str.upper, choices=JOB_STATES, help="only jobs in this state")
+    p.add_argument("--limit", type=positive_int, default=50,
+                   help="at most this many (default 50)")
+    p.set_defaults(func=cmd_job_list)
+
+    p = command(jsub, "show", "show a job with its attempts", parents=(conn, js))
+    p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.set_defaults(func=cmd_job_show)
+
+    p = command(jsub, "cancel", "cancel a job (SIGTERM to its process group, SIGKILL after 5 s)",
+                parents=(conn, js))
+    p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.set_defaults(func=cmd_job_cancel)
+
+    p = command(jsub, "retry", "put a FAILED or CANCELLED job back in the queue",
+                parents=(conn, js))
+    p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.set_defaults(func=cmd_job_retry)
+
+    p = command(subparsers, "logs", "print a job's logs (the server keeps the last 2000 lines)",
+                parents=(conn, js))
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep streaming until the job ends; exit with its outcome")
+    p.add_argument("--tail", type=positive_int, metavar="N", help="only the last N lines")
+    p.add_argument("--color", "--colour", dest="colour", action="store_true",
+                   help="keep the job's colour codes (other control characters are always "
+                        "removed, so job output cannot move the cursor or retitle the "
+                        "terminal)")
+    p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.set_defaults(func=cmd_logs)
+
+
+def job_body(args):
+    cmd = args.cmd
+    # One argument holding spaces is a shell line; the server runs a string through sh -c.
+    command = cmd[0] if len(cmd) == 1 and any(c.isspace() for c in cmd[0]) else cmd
+    cpu_only = args.cpu_only or args.gpus == 0
+    fields = {
+        "name": args.name or _default_name(cmd),
+        "gpus": 0 if cpu_only else args.gpus,
+        "cpu_only": True if cpu_only else None,
+        "priority": args.priority,
+        "max_attempts": args.max_attempts,
+        "env": dict(args.env) or None,
+        "project": args.project,
+        "experiment": args.experiment,
+        "tb_dir": args.tb_dir,
+        "watch_dir": args.watch,
+    }
+    working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
+    return command, working_dir, fields
+
+
+def _default_name(cmd):
+    try:
+        words = shlex.split(cmd[0]) if len(cmd) == 1 else cmd
+    except ValueError:
+        words = cmd[0].split()
+    for word in words:
+        if word.endswith(".py"):
+            return pathlib.Path(word).stem
+    return pathlib.Path(words[0]).name if words else None
+
+
+def cmd_job_submit(args):
+    client = make_client(args)
+    command_, working_dir, fields = job_body(args)
+    job = client.submit_job(command_, working_dir, **fields)
+    if args.json and not args.follow:
+        print_json(job)
+    else:
+        print(job["id"], flush=True)
+    if job.get("warning"):
+        note(f"warning: {job['warning']}")
+    elif job.get("pending_reason"):
+        note(f"job {job['id']} is waiting: {job['pending_reason']}")
+    if not args.follow:
+        return EXIT_OK
+    note(f"following job {job['id']} (Ctrl-C stops following; the job keeps running)")
+    final = follow_job(client, job["id"], colour=args.colour)
+    if args.json:
+        print_json(final)
+    note(describe_end(final))
+    return outcome_code(final["state"])
+
+
+def cmd_job_list(args):
+    jobs = make_client(args).list_jobs(state=args.state, limit=args.limit)
+    if args.json:
+        print_json(jobs)
+        return EXIT_OK
+    if not jobs:
+        note("no jobs" + (f" in state {args.state}" if args.state else "")
+             + "; submit one with `gpuplane job submit -- CMD`")
+        return EXIT_OK
+    rows = []
+    for j in jobs:
+        where = j.get("node")
+        if where and j.get("gpu_indices"):
+            where += f":{gpu_list(j['gpu_indices'])}"
+        took = duration(j.get("started_at"), j.get("ended_at"))
+        rows.append([j["id"], j.get("name"), j["state"], wants(j), where,
+                     f"{j.get('attempt') or 0}/{j.get('max_attempts')}",
+                     ago(j.get("created_at")), took])
+    print_table(rows, ["ID", "NAME", "STATE", "WANTS", "NODE:GPUS", "ATTEMPT",
+                       "SUBMITTED", "RAN"])
+    return EXIT_OK
+
+
+def cmd_job_show(args):
+    job = make_client(args).get_job(args.job_id)
+    if args.json:
+        print_json(job)
+        return EXIT_OK
+    print(f"job {job['id']}  {job.get('name') or ''}  {job['state']}"
+          + ("  (cancel requested)" if job.get("cancel_requested")
+             and job["state"] not in FINAL_STATES else ""))
+    fields = [
+        ("kind", job.get("kind")),
+        ("command", command_text(job.get("command"))),
+        ("working dir", job.get("working_dir")),
+        ("wants", wants(job)),
+        ("priority", job.get("priority")),
+        ("attempt", f"{job.get('attempt') or 0} of {job.get('max_attempts')}"),
+        ("project", " / ".join(x for x in (job.get("project"), job.get("experiment")) if x)
+         or None),
+        ("env", " ".join(f"{k}={v}" for k, v in (job.get("env") or {}).items()) or None),
+        ("tensorboard", job.get("tb_dir")),
+        ("watch", job.get("watch_dir")),
+        ("node", job.get("node")),
+        ("GPUs", gpu_list(job.get("gpu_indices"))),
+        ("run", job.get("run_id")),
+        ("submitted", _when(job.get("created_at"))),
+        ("started", _when(job.get("started_at"))),
+        ("ended", _when(job.get("ended_at"))),
+        ("ran", duration(job.get("started_at"), job.get("ended_at"))),
+        ("exit code", job.get("exit_code")),
+        ("failure", job.get("failure_kind")),
+        ("why", job.get("message") if job.get("state") != "SUCCEEDED" else None),
+        ("waiting", job.get("pending_reason")),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        if value is not None and value != "":
+            print(f"  {key.ljust(width)}  {value}")
+    attempts = job.get("attempts") or []
+    if attempts:
+        print()
+        print_table([[a.get("attempt"), a.get("run_id"), a.get("state"), a.get("node"),
+                      gpu_list(a.get("gpu_indices")), a.get("exit_code"),
+                      a.get("failure_kind"), clock(a.get("started_at")),
+                      duration(a.get("started_at"), a.get("ended_at"))]
+                     for a in attempts],
+                    ["ATTEMPT", "RUN", "STATE", "NODE", "GPUS", "EXIT", "FAILURE",
+                     "STARTED", "RAN"])
+    return EXIT_OK
+
+
+def _when(ms):
+    return f"{clock(ms)} ({ago(ms)})" if ms else None
+
+
+def cmd_job_cancel(args):
+    job = make_client(args).cancel_job(args.job_id)
+    if args.json:
+        print_json(job)
+    elif job["state"] == "CANCELLED":
+        print(f"job {job['id']} CANCELLED")
+    else:
+        print(f"job {job['id']} is {job['state']}; cancel requested "
+              "(SIGTERM now, SIGKILL after 5 s)")
+    return EXIT_OK
+
+
+def cmd_job_retry(args):
+    job = make_client(args).retry_job(args.job_id)
+    if args.json:
+        print_json(job)
+    else:
+        print(f"job {job['id']} {job['state']} again (attempt {job.get('attempt')} "
+              f"of {job.get('max_attempts')})")
+    return EXIT_OK
+
+
+def cmd_logs(args):
+    client = make_client(args)
+    if args.follow:
+        if args.json:
+            for line in client.stream_logs(args.job_id, tail=args.tail):
+                print(json.dumps(line), flush=True)
+            final = client.get_job(args.job_id)
+        else:
+            final = follow_job(client, args.job_id, tail=args.tail, colour=args.colour)
+        note(describe_end(final))
+        return outcome_code(final["state"])
+    answer = client.logs(args.job_id, tail=args.tail)
+    if args.json:
+        print_json(answer)
+        return EXIT_OK
+    attempt = None
+    for line in answer.get("lines", []):
+        if attempt is not None and line.get("attempt") != attempt:
+            print(f"--- attempt {line.get('attempt')} ---")
+        attempt = line.get("attempt")
+        print(clean_line(line.get("text", ""), args.colour))
+    if not answer.get("lines"):
+        note(f"no log lines yet (job is {answer.get('job_state')})")
+    return EXIT_OK
