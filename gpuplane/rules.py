@@ -1,0 +1,414 @@
+"""The detection rules of the event engine: pure, deterministic, no I/O, no clock.
+
+Each rule is a small state machine fed one series at a time (`push`/`extend`), so the
+engine (gpuplane/events.py) runs it on points as they arrive and bench/event_corpus.py
+runs the very same code on whole labelled curves. A finding is a plain dict:
+{"type", "severity", "step", "message", "evidence"}; the engine adds run/job/node,
+debounces and stores it. Defaults and their meaning are in docs/events.md.
+"""
+import math
+import re
+from collections import deque
+from statistics import median
+
+INFO, WARNING, CRITICAL = "info", "warning", "critical"
+SEVERITIES = (INFO, WARNING, CRITICAL)
+
+# Every setting of the rules, with its default; `[events]` in server.toml overrides them.
+DEFAULTS = {
+    "debounce_s": 600,            # one event per run and type per this many seconds
+    "spike_window": 64,           # LOSS_SPIKE: finite points the median/MAD look back on
+    "spike_min_points": 24,       # ... and how many it needs first (warm-up is skipped)
+    "spike_z": 8.0,               # ... robust z: (x - median) / (1.4826 * MAD)
+    "spike_min_ratio": 0.6,       # ... and x at least this much above the median (0.6 = +60%)
+    "spike_lr_grace": 50,         # ... no spike this many steps after the logged LR rose
+    "overfit_min_evals": 6,       # OVERFITTING_SUSPECTED: eval points needed first
+    "overfit_patience": 3,        # ... evals in a row worse than the best (smoothed)
+    "overfit_worse": 0.04,        # ... by at least this fraction of the best
+    "overfit_train_better": 0.02, # ... while train improved by at least this fraction
+    "gpu_util_below": 15.0,       # GPU_UNDERUTILIZED: mean utilisation under this (%)
+    "gpu_window_s": 600,          # ... over this long a window
+    "gpu_grace_s": 300,           # ... not in the job's first this-many seconds
+    "stall_factor": 10.0,         # STALLED: silent for this many times the usual interval
+    "stall_min_s": 120,           # ... and at least this long
+    "stall_min_intervals": 5,     # ... once this many intervals are known
+    "disk_low_mb": 2048,          # DISK_LOW: free space below this (MiB), warning
+    "disk_critical_mb": 512,      # ... below this, critical
+}
+
+_LOSS_WORDS = {"loss", "nll", "perplexity", "ppl", "mse", "mae", "rmse"}
+_EVAL_WORDS = {"eval", "val", "valid", "validation", "test", "dev", "holdout"}
+_TRAIN_WORDS = {"train", "training", "tr"}
+_MAX_WORDS = {"acc", "accuracy", "f1", "precision", "recall", "auc", "bleu", "rouge", "map",
+              "iou", "reward", "score", "return", "top1", "top5"}
+
+
+def words(key):
+    return "".join(c if c.isalnum() else " " for c in key.lower()).split()
+
+
+def is_system(key):
+    return key.startswith("sys/")
+
+
+def is_loss(key):
+    """A loss-like key (LOSS_NAN and LOSS_SPIKE watch these): a word like loss, nll, ppl."""
+    return not is_system(key) and not _LOSS_WORDS.isdisjoint(words(key))
+
+
+def higher_is_better(key):
+    for w in reversed(words(key)):
+        if w in _LOSS_WORDS:
+            return False
+        if w in _MAX_WORDS:
+            return True
+    return False
+
+
+def eval_pair(key):
+    """(role, base) for OVERFITTING_SUSPECTED: role 'eval' or 'train', base the key without
+    its split words, so "train/loss", "loss" and "eval/loss", "val_loss" share base "loss"."""
+    if is_system(key):
+        return None, None
+    ws = words(key)
+    role = "eval" if not _EVAL_WORDS.isdisjoint(ws) else "train"
+    base = " ".join(w for w in ws if w not in _EVAL_WORDS and w not in _TRAIN_WORDS)
+    return role, base
+
+
+def finding(type, severity, step, message, **evidence):
+    return {"type": type, "severity": severity, "step": step, "message": message,
+            "evidence": evidence}
+
+
+def _fmt(x):
+    if isinstance(x, float) and math.isfinite(x):
+        return f"{x:.4g}"
+    return str(x)
+
+
+# -- LOSS_NAN ---------------------------------------------------------------------------
+
+def nonfinite(key, steps, values):
+    """LOSS_NAN for the first NaN or ±inf among a batch of a loss-like key, or None.
+    The sum of finite floats is finite, so clean batches cost one C-level pass."""
+    if _finite_sum(values):
+        return None
+    for s, v in zip(steps, values):
+        if not math.isfinite(v):
+            return finding("LOSS_NAN", CRITICAL, s,
+                           f"{key} became {_fmt(v)} at step {s}: training has diverged or "
+                           f"hit a numerical error; later updates are likely garbage",
+                           key=key, value=str(v))
+    return None
+
+
+def _finite_sum(values):
+    try:
+        return math.isfinite(sum(values))
+    except OverflowError:
+        return False
+
+
+# -- LOSS_SPIKE -------------------------------------------------------------------------
+
+class Spike:
+    """A point far above the recent level of a loss-like key: a robust z (the level is the
+    median of the latest points, the noise the median step-to-step change of the window)
+    and a minimum ratio over the level, both in log space while the window is positive
+    (losses are noisy in proportion to their size). Not fooled by warm-up (the first
+    `spike_min_points` are only learnt from) nor by a learning-rate restart (no spike
+    within `spike_lr_grace` steps after the run's logged learning rate went up).
+    Statistics are refreshed every REFRESH points pushed, counted over the whole series, so
+    the verdict never depends on how the points were batched."""
+    REFRESH = 8
+
+    def __init__(self, key, cfg=DEFAULTS):
+        self.key = key
+        self.window = deque(maxlen=int(cfg["spike_window"]))
+        self.min_points = int(cfg["spike_min_points"])
+        self.z = float(cfg["spike_z"])
+        self.ratio = float(cfg["spike_min_ratio"])
+        self.lr_grace = int(cfg["spike_lr_grace"])
+        self.n = 0
+        self.limit = math.inf        # in the original units
+        self.med = self.scale = None
+        self.log = False
+        self.last_lr = None
+        self.lr_rises = deque(maxlen=64)    # steps at which the learning rate went up
+
+    def lr_points(self, steps, values):
+        """The run's learning rate: a rise of more than a fifth marks a restart."""
+        for s, v in zip(steps, values):
+            if not math.isfinite(v):
+                continue
+            if self.last_lr is not None and v > 1.2 * self.last_lr and v > 0:
+                self.lr_rises.append(s)
+            self.last_lr = v
+
+    def _after_lr_rise(self, s):
+        return any(0 <= s - r <= self.lr_grace for r in self.lr_rises)
+
+    def _refresh(self):
+        if len(self.window) < self.min_points:
+            self.limit = math.inf
+            return
+        self.log = min(self.window) > 0
+        xs = [math.log(x) for x in self.window] if self.log else list(self.window)
+        # The level: the median of the latest few points, so a falling curve does not drag
+        # an old level along. The noise: the median absolute step-to-step change (x 1.049
+        # makes it a Gaussian sigma), which a trend, a restart or a few spikes in the window
+        # do not inflate the way the MAD around one median would.
+        m = median(xs[-9:])
+        noise = 1.049 * median(abs(b - a) for a, b in zip(xs, xs[1:]))
+        if self.log:
+            scale = max(noise, 1e-3)
+            self.limit = math.exp(m + max(self.z * scale, math.log1p(self.ratio)))
+        else:
+            scale = max(noise, 1e-3 * abs(m), 1e-12)
+            self.limit = m + max(self.z * scale, self.ratio * abs(m))
+        self.med, self.scale = m, scale
+
+    def _z(self, v):
+        return ((math.log(v) if self.log else v) - self.med) / self.scale
+
+    def extend(self, steps, values):
+        """Feed points in step order; returns the findings (at most one per call)."""
+        out = None
+        i, n = 0, len(values)
+        while i < n:
+            if self.n % self.REFRESH == 0:
+                self._refresh()
+            take = min(n - i, self.REFRESH - self.n % self.REFRESH)
+            chunk = values[i:i + take]
+            if out is None and _chunk_needs_look(chunk, self.limit):
+                for j in range(take):
+                    v, s = chunk[j], steps[i + j]
+                    if not (math.isfinite(v) and v > self.limit):
+                        continue
+                    if self.lr_rises and self._after_lr_rise(s):
+                        continue
+                    med = math.exp(self.med) if self.log else self.med
+                    z = self._z(v)
+                    out = finding(
+                        "LOSS_SPIKE", WARNING, s,
+                        f"{self.key} jumped to {_fmt(v)} at step {s}, "
+                        + (f"{v / med:.1f}x " if med > 0 else "far above ")
+                        + f"its recent median {_fmt(med)} ({z:.0f} robust deviations); look "
+                        f"for a bad batch or a too-high learning rate",
+                        key=self.key, value=v, median=med, z=round(z, 2),
+                        log_scale=self.log, window=len(self.window))
+                    break
+            for v in chunk:
+                if math.isfinite(v):
+                    self.window.append(v)
+            self.n += take
+            i += take
+        return [out] if out else []
+
+
+def _chunk_needs_look(chunk, limit):
+    if limit == math.inf:
+        return False
+    try:
+        return not (max(chunk) <= limit)      # NaN makes max() unreliable: look then
+    except TypeError:
+        return True
+
+
+# -- OVERFITTING_SUSPECTED --------------------------------------------------------------
+
+class Overfit:
+    """Eval worsens for `patience` evals in a row (3-point running median, against its best)
+    while the train metric of the same name kept improving over the same steps."""
+
+    def __init__(self, eval_key, train_key, cfg=DEFAULTS):
+        self.eval_key, self.train_key = eval_key, train_key
+        self.sign = -1.0 if higher_is_better(eval_key) else 1.0    # lower is better after
+        self.min_evals = int(cfg["overfit_min_evals"])
+        self.patience = int(cfg["overfit_patience"])
+        self.worse = float(cfg["overfit_worse"])
+        self.train_better = float(cfg["overfit_train_better"])
+        self.evals = deque(maxlen=512)        # (step, signed value)
+        self.train = deque(maxlen=4096)       # (step, signed value)
+        self.fired = False
+
+    def train_points(self, steps, values):
+        for s, v in zip(steps, values):
+            if math.isfinite(v):
+                self.train.append((s, self.sign * v))
+
+    def eval_points(self, steps, values):
+        out = []
+        for s, v in zip(steps, values):
+            if math.isfinite(v):
+                self.evals.append((s, self.sign * v))
+                f = self._check()
+                if f:
+                    out.append(f)
+        return out
+
+    def _smoothed(self):
+        vals = [v for _, v in self.evals]
+        return [median(vals[max(0, i - 1):i + 2]) if 0 < i < len(vals) - 1 else vals[i]
+                for i in range(len(vals))][:-1] + [median(vals[-3:])]
+
+    def _check(self):
+        if len(self.evals) < self.min_evals or not self.train:
+            return None
+        sm = self._smoothed()
+        best_i = min(range(len(sm)), key=sm.__getitem__)
+        best = sm[best_i]
+        tol = self.worse * max(abs(best), 1e-9)
+        recent = sm[-self.patience:]
+        if len(sm) - 1 - best_i < self.patience or not all(x > best + tol for x in recent):
+            return None
+        # and still rising: the last raw eval is no better than the smoothed ones before
+        if self.evals[-1][1] < best + tol:
+            return None
+        best_step, now_step = self.evals[best_i][0], self.evals[-1][0]
+        before = [v for s, v in self.train if s <= best_step][-16:]
+        after = [v for s, v in self.train if best_step < s <= now_step][-16:]
+        if len(before) < 3 or len(after) < 3:
+            return None
+        t0, t1 = median(before), median(after)
+        if not t1 < t0 - self.train_better * max(abs(t0), 1e-9):
+            return None
+        s = self.sign
+        return finding(
+            "OVERFITTING_SUSPECTED", WARNING, now_step,
+            f"{self.eval_key} got worse since step {best_step} ({_fmt(s * best)} -> "
+            f"{_fmt(s * sm[-1])}) while {self.train_key} kept improving ({_fmt(s * t0)} -> "
+            f"{_fmt(s * t1)}): the model is likely overfitting; consider the checkpoint "
+            f"near step {best_step}, more regularisation or early stopping",
+            eval_key=self.eval_key, train_key=self.train_key, best_step=best_step,
+            best_eval=s * best, eval_now=s * sm[-1], train_then=s * t0, train_now=s * t1)
+
+
+# -- GPU_UNDERUTILIZED ------------------------------------------------------------------
+
+class GpuIdle:
+    """A job's GPU stays under `gpu_util_below` % on average over `gpu_window_s` seconds,
+    the window fully covered, and not within `gpu_grace_s` of the job's first sample."""
+
+    def __init__(self, key, cfg=DEFAULTS):
+        self.key = key
+        self.below = float(cfg["gpu_util_below"])
+        self.window_ms = float(cfg["gpu_window_s"]) * 1000
+        self.grace_ms = float(cfg["gpu_grace_s"]) * 1000
+        self.samples = deque()
+        self.first_ts = None
+
+    def push(self, step, util, ts):
+        if not math.isfinite(util):
+            return None
+        if self.first_ts is None:
+            self.first_ts = ts
+        if ts < self.first_ts + self.grace_ms:
+            return None
+        self.samples.append((ts, util))
+        while self.samples and self.samples[0][0] < ts - self.window_ms:
+            self.samples.popleft()
+        # covered: the oldest sample in the window is near its start
+        if self.samples[0][0] > ts - 0.8 * self.window_ms or len(self.samples) < 3:
+            return None
+        mean = sum(u for _, u in self.samples) / len(self.samples)
+        if mean >= self.below:
+            return None
+        mins = self.window_ms / 60000
+        return finding("GPU_UNDERUTILIZED", WARNING, step,
+                       f"{self.key} averaged {mean:.0f}% over the last {mins:.0f} min "
+                       f"(below {self.below:.0f}%): the GPU mostly waits; look at data "
+                       f"loading, a CPU bottleneck, or a too-small batch",
+                       key=self.key, mean_util=round(mean, 1), samples=len(self.samples),
+                       window_s=self.window_ms / 1000, threshold=self.below)
+
+
+# -- STALLED ----------------------------------------------------------------------------
+
+class Activity:
+    """When a running job last showed progress (a log line, a metric that is not sys/*, a
+    new step) and its usual interval between such moments. Stalled: silent for
+    `stall_factor` x the median interval and at least `stall_min_s`."""
+
+    def __init__(self, cfg=DEFAULTS):
+        self.factor = float(cfg["stall_factor"])
+        self.min_ms = float(cfg["stall_min_s"]) * 1000
+        self.min_intervals = int(cfg["stall_min_intervals"])
+        self.intervals = deque(maxlen=64)
+        self.last = None
+        self.last_step = None
+
+    def seen(self, ts, step=None):
+        if self.last is not None:
+            gap = ts - self.last
+            if gap < 200:          # one burst (a batch, a few lines at once) is one moment
+                if step is not None:
+                    self.last_step = max(step, self.last_step or step)
+                return
+            self.intervals.append(gap)
+        self.last = ts if self.last is None else max(self.last, ts)
+        if step is not None:
+            self.last_step = max(step, self.last_step or step)
+
+    def threshold_ms(self):
+        if len(self.intervals) < self.min_intervals:
+            return None
+        return max(self.factor * median(self.intervals), self.min_ms)
+
+    def check(self, now):
+        limit = self.threshold_ms()
+        if limit is None or self.last is None or now - self.last < limit:
+            return None
+        silent = (now - self.last) / 1000
+        usual = median(self.intervals) / 1000
+        return finding("STALLED", CRITICAL, self.last_step,
+                       f"no log line, metric or step for {silent:.0f} s, {silent / usual:.0f}x "
+                       f"its usual {usual:.1f} s: the job may be hung (a stuck data loader, a "
+                       f"deadlocked collective); check its logs and py-spy dump it",
+                       silent_s=round(silent, 1), usual_interval_s=round(usual, 2),
+                       last_step=self.last_step, threshold_s=round(limit / 1000, 1))
+
+
+def find_stall(timestamps, now, cfg=DEFAULTS, check_every_ms=1000):
+    """The first STALLED finding over a whole history of activity times (ms) up to `now`,
+    checking as the engine does every `check_every_ms`; None when there is none."""
+    act = Activity(cfg)
+    for t in sorted(timestamps):
+        if act.last is not None:
+            limit = act.threshold_ms()
+            if limit is not None and t - act.last >= limit:
+                return act.check(act.last + limit + check_every_ms)
+        act.seen(t)
+    return act.check(now)
+
+
+# -- DISK_LOW ---------------------------------------------------------------------------
+
+def disk_low(free_mb, where, cfg=DEFAULTS, step=None):
+    if free_mb is None or not math.isfinite(free_mb) or free_mb >= cfg["disk_low_mb"]:
+        return None
+    sev = CRITICAL if free_mb < cfg["disk_critical_mb"] else WARNING
+    return finding("DISK_LOW", sev, step,
+                   f"only {free_mb:,.0f} MiB free on {where} (threshold "
+                   f"{cfg['disk_low_mb']:,} MiB): checkpoints and logs will fail when it is "
+                   f"full; free space or move the run's output",
+                   free_mb=free_mb, threshold_mb=cfg["disk_low_mb"], where=where)
+
+
+# -- OOM in the log ---------------------------------------------------------------------
+
+OOM_RE = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
+                    r"RESOURCE_EXHAUSTED: OOM|out of memory", re.IGNORECASE)
+
+
+def oom_line(lines):
+    """OOM for the first log line that reports an out-of-memory error, or None."""
+    for line in lines:
+        if OOM_RE.search(line):
+            return finding("OOM", CRITICAL, None,
+                           "the job's log reports an out-of-memory error while it keeps "
+                           "running: it may be skipping batches or retrying; lower the batch "
+                           "size or enable gradient checkpointing",
+                           line=line[:500])
+    return None
