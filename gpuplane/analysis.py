@@ -264,7 +264,16 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                                    "deadlock), cancel and retry", job_id=job_id))
             return result("stalled", f"run {run_id} stopped reporting metrics", acts)
 
-    if main is None or not facts.get(main) or facts[main]["points"] < MIN_POINTS:
+    def enough(name):
+        return bool(name and facts.get(name) and facts[name]["points"] >= MIN_POINTS)
+
+    if not enough(main) and enough(train) and primary is None:
+        # An eval metric logged once per epoch is often too short to judge; the train
+        # curve is not, and it still tells divergence and plateaus.
+        have = facts[main]["points"] if main and facts.get(main) else 0
+        evidence.append(f"{main} has only {have} points; judged {train} instead")
+        main = train
+    if not enough(main):
         have = facts[main]["points"] if main and facts.get(main) else 0
         evidence.insert(0, f"{main or 'no metric'} has {have} points; "
                            f"{MIN_POINTS} are needed to judge a curve")
@@ -493,16 +502,50 @@ def _compare_summary(top, diff):
 
 
 def config_diff(runs):
-    """{config key: {run_id: value}} for the keys whose values differ between the runs."""
+    """{config key: {run_id: value}} for the keys whose values differ between the runs.
+    A job's command line counts as config: `--lr 0.01` is the key `lr`."""
+    configs = {r["id"]: settings(r.get("config") or {}) for r in runs}
     keys = set()
-    for r in runs:
-        keys |= set((r.get("config") or {}).keys())
+    for c in configs.values():
+        keys |= set(c)
     out = {}
     for k in sorted(keys):
-        vals = {r["id"]: (r.get("config") or {}).get(k) for r in runs}
+        vals = {i: c.get(k) for i, c in configs.items()}
         if len({repr(v) for v in vals.values()}) > 1:
             out[k] = {str(i): v for i, v in vals.items()}
     return out
+
+
+def settings(config):
+    """The config with the `--flag value` pairs of its command line added as keys."""
+    out = dict(config)
+    argv = config.get("command")
+    if isinstance(argv, list):
+        i = 0
+        while i < len(argv):
+            a = argv[i] if isinstance(argv[i], str) else ""
+            if a.startswith("--") and len(a) > 2:
+                name, eq, value = a[2:].partition("=")
+                if not eq:
+                    nxt = argv[i + 1] if i + 1 < len(argv) else None
+                    if isinstance(nxt, str) and not nxt.startswith("--"):
+                        value, i = nxt, i + 1
+                    else:
+                        value = True
+                out.setdefault(name.replace("-", "_"), _scalar(value))
+            i += 1
+    return out
+
+
+def _scalar(v):
+    if not isinstance(v, str):
+        return v
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
 
 
 # -- checkpoints -----------------------------------------------------------------------------

@@ -301,6 +301,53 @@ class Client:
         return self.post(f"runs/{run_id}/events", {
             "name": name, "data": data, "step": step, "ts": ts})
 
+    # -- observe, checkpoints, events, semantic (used by the MCP server; owner: mcp) ----------
+
+    def metric_summary(self, run_id):
+        return self.get(f"runs/{run_id}/metrics")
+
+    def metric_series(self, run_id, key, max_points=None, from_step=None, to_step=None):
+        return self.get(f"runs/{run_id}/metrics/{key}", max_points=max_points,
+                        from_step=from_step, to_step=to_step)
+
+    def list_checkpoints(self, run_id):
+        return self.get(f"runs/{run_id}/checkpoints")
+
+    def evaluate_checkpoint(self, checkpoint_id, command=None):
+        body = {"command": command} if command else {}
+        return self.post(f"checkpoints/{checkpoint_id}/evaluations", body)
+
+    def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None):
+        return self.get("checkpoints:recommend", run=run, experiment=experiment,
+                        project=project, key=key)
+
+    def set_metric_definition(self, key, direction=None, primary=None, project=None,
+                              experiment=None):
+        body = {"key": key, "direction": direction, "primary": primary,
+                "project": project, "experiment": experiment}
+        return self.post("metric-definitions", {k: v for k, v in body.items() if v is not None})
+
+    def list_events(self, run=None, job=None, type=None, severity=None, since=None,
+                    after=None, limit=None):
+        return self.get("events", run=run, job=job, type=type, severity=severity,
+                        since=since, after=after, limit=limit)
+
+    def run_events(self, run_id, after=None, limit=None):
+        return self.get(f"runs/{run_id}/events", after=after, limit=limit)
+
+    def diagnose_run(self, run_id, key=None):
+        return self.get(f"runs/{run_id}/diagnosis", key=key)
+
+    def compare_runs(self, run_ids, keys=None, key=None):
+        return self.get("runs:compare", ids=",".join(map(str, run_ids)),
+                        keys=",".join(keys) if keys else None, key=key)
+
+    def compare_checkpoints(self, run_ids, key=None):
+        return self.get("checkpoints:compare", runs=",".join(map(str, run_ids)), key=key)
+
+    def explain_failure(self, job_id):
+        return self.get(f"jobs/{job_id}/explanation")
+
 
 def quote(part):
     """One path segment, every reserved character escaped (`/` too)."""

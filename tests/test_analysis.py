@@ -298,3 +298,19 @@ def test_explain_dispatch_failed_and_not_failed():
     assert r["kind"] == "DISPATCH_FAILED"
     r = A.explain_failure(job(state="SUCCEEDED", run_id=3), [])
     assert r["kind"] == "NOT_FAILED" and tools(r) == ["diagnose_run"]
+
+
+def test_short_eval_curve_falls_back_to_train_curve():
+    r = A.diagnose_run(run(), [key("train/loss", decaying()), key("val/loss", [0.9, 0.5, 0.4])])
+    assert r["verdict"] == "healthy" and r["primary_key"] == "train/loss"
+    assert any("judged train/loss instead" in e for e in r["evidence"])
+
+
+def test_config_diff_reads_the_command_line():
+    a = run(run_id=1, config={"command": ["python", "t.py", "--lr", "0.1", "--epochs=3",
+                                          "--fast"]})
+    b = run(run_id=2, config={"command": ["python", "t.py", "--lr", "0.01", "--epochs=3"]})
+    d = A.config_diff([a, b])
+    assert d["lr"] == {"1": 0.1, "2": 0.01}
+    assert d["fast"] == {"1": True, "2": None}
+    assert "epochs" not in d

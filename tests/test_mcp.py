@@ -1,0 +1,191 @@
+"""gpuplane-mcp over stdio, driven by the mcp package's own client, against a real server and
+agent (fake GPUs). Only MCP tool calls in the tests besides starting the platform."""
+import asyncio
+import json
+import pathlib
+import sys
+
+import pytest
+
+from procs import ROOT, free_port, wait_for
+
+EXAMPLE = ROOT / "examples" / "cpu"
+
+OBSERVE = {"get_status", "list_jobs", "get_job", "get_job_logs", "list_runs", "get_run",
+           "get_metric_summary", "get_metric_series", "list_checkpoints", "list_events",
+           "whoami"}
+CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric"}
+SEMANTIC = {"diagnose_run", "compare_runs", "compare_checkpoints", "get_best_checkpoint",
+            "explain_failure"}
+
+
+def mcp_env(server_url, token, home):
+    return {"GPUCTL_SERVER": server_url, "GPUCTL_TOKEN": token, "GPUCTL_HOME": str(home),
+            "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+
+
+def session(env, body):
+    """Start gpuplane-mcp over stdio with `env`, run `await body(call, client)`."""
+    from mcp import Client, StdioServerParameters
+
+    params = StdioServerParameters(command=sys.executable,
+                                   args=[str(ROOT / "mcp_server.py")], env=env, cwd=str(ROOT))
+
+    async def main():
+        async with Client(params) as client:
+            async def call(tool, **args):
+                r = await client.call_tool(tool, args)
+                text = " ".join(getattr(c, "text", "") for c in r.content)
+                return r.is_error, (text if r.is_error else r.structured_content)
+            return await body(call, client)
+    return asyncio.run(main())
+
+
+def ok(res):
+    is_error, data = res
+    assert not is_error, data
+    return data
+
+
+def err(res):
+    """The error's own sentence (the mcp SDK prefixes "Error executing tool NAME: ")."""
+    is_error, data = res
+    assert is_error, f"expected a tool error, got {data}"
+    return data.split(": ", 1)[1] if data.startswith("Error executing tool") else data
+
+
+def test_tools_are_listed_with_schemas_and_a_down_server_is_a_sentence(tmp_path):
+    env = mcp_env(f"http://127.0.0.1:{free_port()}", "nobody", tmp_path)
+
+    async def body(call, client):
+        tools = (await client.list_tools()).tools
+        names = {t.name for t in tools}
+        assert OBSERVE | CONTROL | SEMANTIC | {"wait_for_job"} == names
+        for t in tools:
+            assert t.description and len(t.description) > 40, t.name
+            assert t.output_schema, t.name
+        submit = next(t for t in tools if t.name == "submit_job")
+        assert "working_dir" in submit.input_schema["required"]
+        assert "absolute" in submit.input_schema["properties"]["working_dir"]["description"]
+        msg = err(await call("get_status"))
+        assert "not reachable" in msg and "gpuplane up" in msg
+        msg = err(await call("diagnose_run", run_id=1))
+        assert "not reachable" in msg
+        # Bad arguments are tool errors too, and the process lives on.
+        err(await call("get_job", job_id="seven"))
+        err(await call("compare_runs", run_ids=[1]))
+        assert "not reachable" in err(await call("whoami"))
+    session(env, body)
+
+
+def test_bad_token_and_scopes(live_server, tmp_path):
+    api = live_server.api
+    read = api.post("/api/v1/tokens", {"name": "reader", "scope": "read"}, expect=201)["token"]
+    write = api.post("/api/v1/tokens", {"name": "writer", "scope": "write"}, expect=201)["token"]
+    job = api.submit(["true"], "/tmp", cpu_only=True)       # QUEUED: no agent here
+    args = {"submit_job": {"command": ["true"], "working_dir": "/tmp", "cpu_only": True},
+            "cancel_job": {"job_id": job["id"]},
+            "retry_job": {"job_id": job["id"]},
+            "evaluate_checkpoint": {"checkpoint_id": 1},
+            "set_primary_metric": {"key": "val/loss", "direction": "min"}}
+
+    async def as_reader(call, client):
+        assert ok(await call("whoami"))["can_write"] is False
+        for tool in sorted(CONTROL):
+            msg = err(await call(tool, **args[tool]))
+            assert msg.startswith("WriteScopeError"), (tool, msg)
+        assert ok(await call("get_job", job_id=job["id"]))["state"] == "QUEUED"
+    session(mcp_env(live_server.url, read, tmp_path), as_reader)
+
+    async def as_writer(call, client):
+        assert ok(await call("whoami"))["can_write"] is True
+        for tool in ("submit_job", "cancel_job"):
+            assert ok(await call(tool, **args[tool]))["next_actions"]
+        # retry of the cancelled job goes through; evaluate / set_primary_metric reach
+        # the server (a missing checkpoint or a route this server lacks), not a scope error.
+        assert ok(await call("retry_job", **args["retry_job"]))["state"] == "QUEUED"
+        for tool in ("evaluate_checkpoint", "set_primary_metric"):
+            is_error, data = await call(tool, **args[tool])
+            assert not (is_error and "WriteScopeError" in data), (tool, data)
+    session(mcp_env(live_server.url, write, tmp_path), as_writer)
+
+    async def bad_token(call, client):
+        assert err(await call("list_jobs")).startswith("Unauthorized")
+        assert err(await call("submit_job", **args["submit_job"])).startswith("Unauthorized")
+    session(mcp_env(live_server.url, "not-a-token", tmp_path), bad_token)
+
+
+def test_acceptance_loop(live_server, agent, tmp_path):
+    """submit two trainings with different settings -> wait -> diagnose -> compare ->
+    checkpoints -> recommendation: the better learning rate wins by construction."""
+    api = live_server.api
+    write = api.post("/api/v1/tokens", {"name": "agent", "scope": "write"}, expect=201)["token"]
+    train = [sys.executable, "train.py", "--epochs", "4", "--steps-per-epoch", "30",
+             "--step-delay", "0", "--logdir", str(tmp_path / "tb-{}")]
+
+    async def body(call, client):
+        status = ok(await call("get_status"))
+        assert "GPUs free" in status["summary"]
+        jobs = {}
+        for lr in ("0.5", "0.005"):
+            cmd = [a.format(lr) for a in train] + ["--lr", lr]
+            j = ok(await call("submit_job", command=cmd, working_dir=str(EXAMPLE),
+                              name=f"lr-{lr}", cpu_only=True, project="acc",
+                              experiment="lr"))
+            assert j["next_actions"][0]["tool"] == "wait_for_job"
+            jobs[lr] = j["id"]
+        runs = {}
+        for lr, job_id in jobs.items():
+            w = ok(await call("wait_for_job", job_id=job_id, timeout_s=120))
+            assert w["reached"] and w["state"] == "SUCCEEDED", w
+            assert [a["tool"] for a in w["next_actions"]][:1] == ["diagnose_run"]
+            runs[lr] = w["run_id"]
+        good, bad = runs["0.5"], runs["0.005"]
+
+        d = ok(await call("diagnose_run", run_id=good))
+        assert d["verdict"] == "healthy", d
+        assert d["next_actions"]
+
+        s = ok(await call("get_metric_summary", run_id=good))
+        assert {"train/loss", "val/loss", "val/acc"} <= {k["key"] for k in s["keys"]}
+        series = ok(await call("get_metric_series", run_id=good, key="train/loss",
+                               max_points=20))
+        assert 0 < len(series["points"]) <= 20
+
+        c = ok(await call("compare_runs", run_ids=[good, bad], key="val/loss"))
+        assert c["winner"] == good, c
+        assert set(c["config_diff"]) >= {"lr"}
+
+        cc = ok(await call("compare_checkpoints", run_ids=[good, bad], key="val/loss"))
+        assert len(cc["ranked"]) == 8
+        assert cc["ranked"][0]["run_id"] == good
+
+        # By construction: a checkpoint per epoch, at the step where val/loss was logged,
+        # so the best checkpoint sits at the step of the lowest val/loss.
+        val = ok(await call("get_metric_series", run_id=good, key="val/loss"))["points"]
+        assert len(val) == 4
+        lowest = min(val, key=lambda p: p[1])
+        best = ok(await call("get_best_checkpoint", run_id=good, key="val/loss"))
+        assert best["checkpoint"]["run_id"] == good
+        assert best["checkpoint"]["step"] == lowest[0], (best, val)
+        assert best["checkpoint"]["value"] == pytest.approx(lowest[1])
+        assert best["runner_up"] and best["margin"] > 0 and best["reason"]
+
+        ev = ok(await call("list_events", run_id=good))
+        assert isinstance(ev["events"], list)
+
+        logs = ok(await call("get_job_logs", job_id=jobs["0.5"], tail=5))
+        assert logs["lines"][-1]["text"].startswith(("training finished", "sdk summary"))
+
+        # A failing job: explain_failure finds the missing module in its log.
+        j = ok(await call("submit_job", command=[sys.executable, "-c", "import nosuchmod"],
+                          working_dir=str(tmp_path), cpu_only=True, name="broken"))
+        w = ok(await call("wait_for_job", job_id=j["id"], timeout_s=60))
+        assert w["state"] == "FAILED"
+        assert w["next_actions"][0] == {"tool": "explain_failure",
+                                        "arguments": {"job_id": j["id"]},
+                                        "why": w["next_actions"][0]["why"]}
+        e = ok(await call("explain_failure", job_id=j["id"]))
+        assert e["kind"] == "MISSING_MODULE", e
+        assert any("nosuchmod" in ln["text"] for ln in e["lines"])
+    session(mcp_env(live_server.url, write, tmp_path), body)
