@@ -278,8 +278,8 @@ class Gpuplane:
         return RunOut(**self.call("show a run", self.client.get_run, run_id))
 
     def get_metric_summary(self, run_id):
-        return MetricSummaryOut(**self.call("summarise metrics", self.client.metric_summary,
-                                            run_id))
+        return MetricSummaryOut(run_id=run_id, keys=self.call(
+            "summarise metrics", self.client.run_metrics, run_id))
 
     def get_metric_series(self, run_id, key, max_points=200, from_step=None, to_step=None):
         return MetricSeriesOut(**self.call("give a metric series", self.client.metric_series,

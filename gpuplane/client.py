@@ -303,13 +303,6 @@ class Client:
 
     # -- observe, checkpoints, events, semantic (used by the MCP server; owner: mcp) ----------
 
-    def metric_summary(self, run_id):
-        return self.get(f"runs/{run_id}/metrics")
-
-    def metric_series(self, run_id, key, max_points=None, from_step=None, to_step=None):
-        return self.get(f"runs/{run_id}/metrics/{key}", max_points=max_points,
-                        from_step=from_step, to_step=to_step)
-
     def list_checkpoints(self, run_id):
         return self.get(f"runs/{run_id}/checkpoints")
 
