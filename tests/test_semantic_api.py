@@ -89,3 +89,22 @@ def test_bad_input_is_a_sentence(app, client):
                          ("/api/v1/checkpoints:compare", 400)]:
         body = get(client, path, expect=status)
         assert body["error"]["message"], path
+
+
+def test_cli_diagnose_and_explain(live_server, monkeypatch, capsys):
+    from gpuplane import cli
+    api = live_server.api
+    run = api.post("/api/v1/runs", {"project": "p", "name": "r"}, expect=201)
+    vals = [0.3 + 1.7 * math.exp(-0.03 * i) for i in range(60)]
+    api.post(f"/api/v1/runs/{run['id']}/metrics",
+             {"keys": ["train/loss"], "points": [[0, i, v, now_ms()] for i, v in enumerate(vals)]},
+             expect=200)
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    assert cli.main(["--server", live_server.url, "diagnose", str(run["id"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"run {run['id']}: HEALTHY") and "next:" in out
+    job = api.submit(["true"], "/tmp", cpu_only=True)
+    assert cli.main(["--server", live_server.url, "explain", str(job["id"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "NOT_FAILED"
+    assert cli.main(["--server", live_server.url, "diagnose", "999"]) == 1
+    assert "run 999 does not exist" in capsys.readouterr().err

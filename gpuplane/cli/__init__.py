@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import common, jobs, runs, status, tokens, up
+from . import common, jobs, runs, semantic, status, tokens, up
 from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
                      EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
                      print_table)
@@ -31,6 +31,7 @@ COMMANDS = [
     status,     # status, whoami
     tokens,     # token ...
     runs,       # run ...
+    semantic,   # diagnose, explain
 ]
 
 EXIT_CODES_EPILOG = """\

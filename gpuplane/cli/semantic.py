@@ -1,0 +1,58 @@
+"""`gpuplane diagnose RUN` and `gpuplane explain JOB`: the semantic layer's verdicts.
+
+Both print the verdict, the evidence and the next actions (the MCP tool calls an agent
+would make; a person reads them as what to do next)."""
+
+from .common import EXIT_OK, command, id_type, job_id_type, make_client, parents, print_json
+
+run_id_type = id_type("run", "gpuplane run list")
+
+
+def add_parser(subparsers):
+    conn, js, _ = parents()
+    p = command(subparsers, "diagnose", "judge a run: healthy, diverging, plateaued, "
+                "overfitting, stalled, failed or too early to tell", parents=(conn, js))
+    p.add_argument("run_id", type=run_id_type, metavar="RUN")
+    p.add_argument("--key", metavar="KEY", help="the metric to judge (default: the primary)")
+    p.set_defaults(func=cmd_diagnose)
+
+    p = command(subparsers, "explain", "why a job failed: the kind, the log lines that "
+                "show it, what to try", parents=(conn, js))
+    p.add_argument("job_id", type=job_id_type, metavar="JOB")
+    p.set_defaults(func=cmd_explain)
+
+
+def _actions(actions):
+    if actions:
+        print("next:")
+    for a in actions:
+        args = ", ".join(f"{k}={v!r}" for k, v in a["arguments"].items())
+        print(f"  {a['tool']}({args})  # {a['why']}")
+
+
+def cmd_diagnose(args):
+    d = make_client(args).diagnose_run(args.run_id, key=args.key)
+    if args.json:
+        print_json(d)
+        return EXIT_OK
+    print(f"run {d['run_id']}: {d['verdict'].upper()} — {d['summary']}")
+    for e in d["evidence"]:
+        print(f"  - {e}")
+    _actions(d["next_actions"])
+    return EXIT_OK
+
+
+def cmd_explain(args):
+    e = make_client(args).explain_failure(args.job_id)
+    if args.json:
+        print_json(e)
+        return EXIT_OK
+    print(f"{e['kind']}: {e['summary']}")
+    if e["lines"]:
+        print("log:")
+        for ln in e["lines"]:
+            print(f"  {ln['line_no']:>6}  {ln['text']}")
+    for s in e["suggestions"]:
+        print(f"  try: {s}")
+    _actions(e["next_actions"])
+    return EXIT_OK
