@@ -29,18 +29,23 @@ def create_app(home=None, start_threads=True, **overrides):
     app.json.sort_keys = False
     errors.register(app)
 
-    # The pieces that live as long as the process: pub/sub for logs, the agent gateway,
-    # the scheduler. Imported here so the CLI's import of this module stays light.
+    # The pieces that live as long as the process: pub/sub for logs, the lifecycle (the
+    # one writer of job/run/node state), the agent gateway, the scheduler. Imported here
+    # so the CLI's import of this module stays light. The lifecycle is wired to the
+    # others here; scheduler and gateway never refer to each other.
     from .gateway import Gateway
     from .hub import Hub
+    from .lifecycle import Lifecycle
     from .rollup import Rollup
     from .scheduler import Scheduler
     hub = Hub()
-    gateway = Gateway(db, hub, cfg)
-    scheduler = Scheduler(db, gateway, cfg)
-    gateway.scheduler = scheduler
+    lifecycle = Lifecycle(db, publish=hub.publish)
+    gateway = Gateway(db, hub, cfg, lifecycle)
+    scheduler = Scheduler(db, lifecycle, cfg, is_connected=gateway.connected)
+    lifecycle.bind(wake=scheduler.wake, agents=gateway)
     rollup = Rollup(db, cfg)
-    app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup)
+    app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
+                      LIFECYCLE=lifecycle)
 
     for bp in blueprints():
         app.register_blueprint(bp)

@@ -1,8 +1,10 @@
 """The agent WebSocket endpoint and the command channel to agents.
 
 The wire is written down in docs/protocol.md; this module is the server's one place
-that speaks it. Each connected agent holds one gunicorn thread (this handler) for as long
-as it is connected; the scheduler and the REST routes send commands through `send()`.
+that speaks it: every message to an agent is built here. Each connected agent holds one
+gunicorn thread (this handler) for as long as it is connected. State changes an agent
+reports go through gpuplane/lifecycle.py, which hands agent commands back here
+(`start`, `cancel`). The gateway does not know the scheduler.
 """
 import json
 import logging
@@ -16,7 +18,7 @@ from simple_websocket import ConnectionClosed
 
 from .auth import requires
 from .errors import ApiError
-from .db import events, jobs, logs, metrics, nodes, now_ms
+from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,11 @@ class AgentConnection:
 
 
 class Gateway:
-    def __init__(self, db, hub, cfg):
+    def __init__(self, db, hub, cfg, lifecycle):
         self.db = db
         self.hub = hub
         self.cfg = cfg
-        self.scheduler = None
+        self.lifecycle = lifecycle
         self._conns = {}
         self._lock = threading.Lock()
 
@@ -84,6 +86,21 @@ class Gateway:
         except Exception as e:
             log.info("send to %s failed (%s); it will be reconciled on reconnect", node, e)
             return False
+
+    def start(self, job, ingest_token):
+        """Send the start command of a job's current attempt (lifecycle.assign)."""
+        return self.send(job["node"], self.start_message(job, ingest_token))
+
+    def cancel(self, node, job_id, attempt):
+        return self.send(node, cancel_message(job_id, attempt))
+
+    def start_message(self, job, ingest_token):
+        return {"type": "start", "job_id": job["id"], "attempt": job["attempt"],
+                "run_id": job["run_id"], "command": job["command"],
+                "working_dir": job["working_dir"], "env": job["env"],
+                "gpus": job["gpu_indices"] or [], "cpu_only": job["cpu_only"],
+                "tb_dir": job["tb_dir"], "watch_dir": job["watch_dir"],
+                "server_url": self.server_url(), "ingest_token": ingest_token}
 
     def close_all(self):
         with self._lock:
@@ -187,7 +204,7 @@ class Gateway:
             if msg.get(name) is not None and (not isinstance(msg[name], str)
                                               or len(msg[name]) > 1000):
                 raise _protocol(f"'{name}' must be a string of at most 1000 characters")
-        cursor = nodes.hello(self.db, msg)
+        cursor = self.lifecycle.node_up(msg)
         conn = AgentConnection(ws, node)
         with self._lock:
             old = self._conns.get(node)
@@ -198,8 +215,6 @@ class Gateway:
                    "heartbeat_s": self.cfg["heartbeat_s"]})
         log.info("node %s connected (epoch %s, cursor %d, %d GPUs)", node, epoch[:8], cursor,
                  len(gpus))
-        with self.db.tx() as c:
-            events.add(c, "NODE_UP", f"node {node} connected", node=node)
         return conn
 
     def _on_disconnect(self, conn):
@@ -210,13 +225,10 @@ class Gateway:
             else:
                 still_ours = False
         if still_ours:
-            nodes.disconnected(self.db, conn.node)
-            with self.db.tx() as c:
-                events.add(c, "NODE_DOWN", f"node {conn.node} disconnected",
-                           severity="warning", node=conn.node)
+            self.lifecycle.node_down(conn.node)
             log.info("node %s disconnected", conn.node)
-        if self.scheduler:
-            self.scheduler.wake()
+        else:
+            self.lifecycle.wake_scheduler()
 
     def _dispatch(self, conn, msg):
         kind = msg["type"]
@@ -230,8 +242,6 @@ class Gateway:
         elif kind == "sync":
             for cmd in self.reconcile(conn.node, msg):
                 conn.send(cmd)
-            if self.scheduler:
-                self.scheduler.wake()
         else:
             raise _protocol(f"unknown message type {kind[:40]!r}")
 
@@ -242,8 +252,9 @@ class Gateway:
         if not isinstance(records, list) or not all(
                 isinstance(r, dict) and isinstance(r.get("seq"), int) for r in records):
             raise _protocol("a batch needs 'records': objects each with an integer 'seq'")
-        wake = published = False
-        with self.db.tx() as c:
+        published = False
+        with self.lifecycle.transaction() as t:
+            c = t.conn
             epoch, cursor = nodes.cursor(c, node)
             if msg.get("epoch") != epoch:
                 raise _protocol("batch for another epoch; send hello again")
@@ -254,71 +265,65 @@ class Gateway:
             for rec in new:
                 if rec["seq"] != last + 1:
                     break           # a gap inside the batch: apply the prefix only
-                c.execute("SAVEPOINT rec")
                 try:
-                    w, p = self._apply_record(c, node, rec)
-                    wake, published = wake or w, published or p
-                    c.execute("RELEASE rec")
+                    with t.savepoint("rec"):
+                        published = self._apply_record(t, node, rec) or published
                 except MALFORMED as e:
                     # A malformed record must not wedge the node's outbox forever.
-                    c.execute("ROLLBACK TO rec")
-                    c.execute("RELEASE rec")
                     log.warning("node %s: skipped malformed %s record seq %d (%s)", node,
                                 rec.get("kind"), rec["seq"], e)
                 last = rec["seq"]
             nodes.set_cursor(c, node, last)
         if published:
-            self.hub.publish()
-        if wake and self.scheduler:
-            self.scheduler.wake()
+            self.hub.publish()     # log lines; state changes publish through lifecycle
         return {"type": "ack", "seq": last}
 
-    def _apply_record(self, c, node, rec):
-        """Apply one outbox record inside the batch transaction. Returns (wake, publish)."""
+    def _apply_record(self, t, node, rec):
+        """Apply one outbox record inside the batch transaction `t`. Returns whether log
+        followers should hear of it."""
+        c = t.conn
         kind = rec.get("kind")
         ts = int(rec.get("ts") or now_ms())
         if kind == "job":
             job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
             if rec["state"] == "RUNNING":
-                jobs.mark_running(c, job_id, attempt, ts)
-                return False, True
+                self.lifecycle.started(job_id, attempt, ts, t=t)
+                return False
             if rec["state"] == "EXITED":
                 code = rec.get("exit_code")
-                jobs.finish_attempt(c, job_id, attempt,
-                                    exit_code=int(code) if code is not None else None,
-                                    failure_kind=rec.get("failure_kind"),
-                                    message=rec.get("message"), ts=ts)
-                return True, True
+                self.lifecycle.finished(job_id, attempt,
+                                        exit_code=int(code) if code is not None else None,
+                                        failure_kind=rec.get("failure_kind"),
+                                        message=rec.get("message"), ts=ts, t=t)
+                return False
             raise ValueError(f"unknown job state {rec['state']!r}")
         if kind == "log":
             added = logs.append(c, int(rec["job_id"]), int(rec["attempt"]), rec["lines"],
                                 keep=int(self.cfg["log_keep_lines"]))
-            return False, bool(added)
+            return bool(added)
         if kind == "metrics":
             points = rec["points"]
             keys = list({str(p[0]) for p in points})
             index = {k: i for i, k in enumerate(keys)}
             run_id = int(rec["run_id"])
-            if c.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone():
+            if runs.exists(c, run_id):
                 metrics.ingest(c, run_id, keys,
-                               [[index[str(k)], s, v, t] for k, s, v, t in points])
-            return False, False
+                               [[index[str(k)], s, v, pt] for k, s, v, pt in points])
+            return False
         if kind == "node_stats":
             nodes.set_stats(c, node, {"gpus": rec.get("gpus") or [],
                                       "host": rec.get("host") or {}, "ts": ts})
-            return False, False
+            return False
         if kind == "checkpoint":
-            c.execute(
-                "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
-                " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-                (int(rec["run_id"]), str(rec["path"]), rec.get("step"), rec.get("epoch"),
-                 rec.get("size_bytes"), rec.get("fingerprint"), ts))
-            return False, False
+            checkpoints.add(c, int(rec["run_id"]), str(rec["path"]), rec.get("step"),
+                            rec.get("epoch"), rec.get("size_bytes"), rec.get("fingerprint"),
+                            ts)
+            return False
         if kind == "event":
             events.add(c, str(rec["type"]), str(rec.get("message", "")),
                        severity=rec.get("severity", "info"), run_id=rec.get("run_id"),
                        job_id=rec.get("job_id"), node=node, data=rec.get("data"), ts=ts)
-            return False, False
+            return False
         raise ValueError(f"unknown record kind {kind!r}")
 
     # -- reconciliation -----------------------------------------------------------------
@@ -333,8 +338,8 @@ class Gateway:
             raise _protocol("sync needs 'running' [{job_id, attempt}] and 'known' "
                             "[[job_id, attempt]]") from None
         known |= running
-        commands, url = [], self.server_url()
-        with self.db.tx() as c:
+        commands = []
+        with self.lifecycle.transaction() as t:
             for job in jobs.active(self.db, node):
                 key = (job["id"], job["attempt"])
                 if key in known:
@@ -342,22 +347,29 @@ class Gateway:
                 if job["state"] == "DISPATCHED":
                     log.info("node %s never got job %d attempt %d; sending it again",
                              node, *key)
-                    commands.append(jobs.restart_command(self.db, job, url))
+                    # A fresh ingest token for the same run: the first one's secret is
+                    # not stored.
+                    _, secret = tokens.add(t.conn, f"run {job['run_id']}", "ingest",
+                                           run_id=job["run_id"])
+                    commands.append(self.start_message(job, secret))
                 else:
                     log.warning("node %s does not know running job %d attempt %d: lost",
                                 node, *key)
-                    jobs.finish_attempt(c, job["id"], job["attempt"], failure_kind="LOST",
-                                        message=f"node {node} restarted without it")
+                    self.lifecycle.finished(job["id"], job["attempt"], failure_kind="LOST",
+                                            message=f"node {node} restarted without it", t=t)
             for job_id, attempt in sorted(running):
                 job = jobs.get(self.db, job_id)
                 if (job is None or job["node"] != node or job["attempt"] != attempt
                         or job["state"] not in jobs.ACTIVE):
                     log.warning("node %s runs stale job %d attempt %d; stopping it",
                                 node, job_id, attempt)
-                    commands.append({"type": "cancel", "job_id": job_id, "attempt": attempt})
-        nodes.set_synced(self.db, node)
-        self.hub.publish()
+                    commands.append(cancel_message(job_id, attempt))
+            self.lifecycle.node_synced(node, t=t)
         return commands
+
+
+def cancel_message(job_id, attempt):
+    return {"type": "cancel", "job_id": job_id, "attempt": attempt}
 
 
 def _id(v):

@@ -8,7 +8,7 @@ ingest recorded in `metric_dirty`; out-of-order and replaced points included). O
 import logging
 
 from .db import metrics, now_ms
-from .scheduler import Worker
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 

@@ -5,60 +5,28 @@ jobs are considered by priority, then submission order; a job that fits nowhere 
 now is skipped so smaller jobs behind it can use free slots, and a job that can never fit
 on any known node says so in `pending_reason`. The same tick declares jobs on nodes gone
 longer than the grace period NODE_LOST.
+
+State changes go through gpuplane/lifecycle.py (which sends the start command through the
+gateway); the scheduler does not know the gateway. `is_connected(node)` (app.py binds the
+gateway's) says whether a node's agent holds a connection in this process right now.
 """
 import logging
-import threading
 
 from .db import jobs, nodes, now_ms
+from .worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-class Worker:
-    """A background thread: run() calls the subclass's tick() every `interval` (or at
-    once on wake()) until stop(); a failing tick is logged and the loop goes on."""
-    name = "worker"
-    interval = 1.0
-
-    def __init__(self):
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread = None
-
-    def start(self):
-        self._thread = threading.Thread(target=self.run, name=f"gpuplane-{self.name}",
-                                        daemon=True)
-        self._thread.start()
-
-    def wake(self):
-        self._wake.set()
-
-    def run(self):
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:
-                log.exception("%s tick failed", self.name)
-            self._wake.wait(self.interval)
-            self._wake.clear()
-
-    def stop(self, timeout=5):
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("thread %s did not stop within %s s", self._thread.name, timeout)
 
 
 class Scheduler(Worker):
     name = "scheduler"
 
-    def __init__(self, db, gateway, cfg):
+    def __init__(self, db, lifecycle, cfg, is_connected=None):
         super().__init__()
         self.db = db
-        self.gateway = gateway
+        self.lifecycle = lifecycle
         self.cfg = cfg
+        self.is_connected = is_connected or (lambda node: True)
 
     def start(self):
         # A new server process holds no agent connection yet, whatever the database says
@@ -72,17 +40,12 @@ class Scheduler(Worker):
         self.schedule()
 
     def expire_lost_nodes(self):
-        grace_ms = float(self.cfg["node_grace_s"]) * 1000
-        cutoff = now_ms() - grace_ms
+        grace_s = float(self.cfg["node_grace_s"])
+        cutoff = now_ms() - grace_s * 1000
         for node in nodes.list_nodes(self.db):
             if node["state"] != "disconnected" or (node["disconnected_at"] or 0) > cutoff:
                 continue
-            for job in jobs.active(self.db, node["name"]):
-                log.warning("node %s gone for more than %.0f s: job %d attempt %d lost",
-                            node["name"], grace_ms / 1000, job["id"], job["attempt"])
-                with self.db.tx() as c:
-                    jobs.finish_attempt(c, job["id"], job["attempt"], failure_kind="NODE_LOST",
-                                        message=f"node {node['name']} lost")
+            self.lifecycle.node_lost(node["name"], grace_s)
 
     def free_slots(self):
         """{node: (free gpu indices, free cpu slots)} for connected, reconciled nodes."""
@@ -90,7 +53,7 @@ class Scheduler(Worker):
         all_nodes = nodes.list_nodes(self.db)
         active = jobs.active(self.db)
         for n in all_nodes:
-            if n["state"] != "connected" or not n["synced"] or not self.gateway.connected(n["name"]):
+            if n["state"] != "connected" or not n["synced"] or not self.is_connected(n["name"]):
                 continue
             gpus = {g["index"] for g in n["gpus"] if isinstance(g.get("index"), int)}
             cpu = n["cpu_slots"]
@@ -106,7 +69,6 @@ class Scheduler(Worker):
         if not queue:
             return
         free, all_nodes = self.free_slots()
-        url = self.gateway.server_url()
         for job in queue:
             node, gpu_indices = self._place(job, free)
             if node is None:
@@ -114,17 +76,14 @@ class Scheduler(Worker):
                 if reason != job["pending_reason"]:
                     jobs.set_pending_reason(self.db, job["id"], reason)
                 continue
-            cmd = jobs.assign(self.db, job["id"], node, gpu_indices, url)
-            if cmd is None:
+            assigned = self.lifecycle.assign(job["id"], node, gpu_indices)
+            if assigned is None:
                 continue
             gpus_left, cpu_left = free[node]
             free[node] = ([i for i in gpus_left if i not in gpu_indices],
                           cpu_left - (1 if job["cpu_only"] else 0))
-            log.info("job %d attempt %d → %s %s", job["id"], cmd["attempt"], node,
+            log.info("job %d attempt %d → %s %s", job["id"], assigned["attempt"], node,
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
-            # If this send is lost, the job stays DISPATCHED and the agent's next sync
-            # brings the same start again.
-            self.gateway.send(node, cmd)
 
     @staticmethod
     def _place(job, free):

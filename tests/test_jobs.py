@@ -319,3 +319,31 @@ def test_node_lost_past_grace_retries_on_another_node_and_stops_the_stale_attemp
     (tmp_path / "release-all").touch()
     j = api.wait_job(j["id"])
     assert j["state"] == "SUCCEEDED" and j["attempt"] == 2 and j["node"] == "second"
+
+
+def test_a_log_follower_of_a_job_whose_node_is_lost_ends_with_the_transition(
+        server_factory, agent_factory, tmp_path):
+    """The NODE_LOST transition publishes like every other: the follower's stream ends
+    at once, not at the next 15 s keepalive (the read timeout below is shorter)."""
+    server = server_factory({"node_grace_s": 1})
+    api, cmd = server.api, gated(tmp_path)
+    node = agent_factory(server, name="gone", fake_gpus=1)
+    j = api.submit(cmd("x"), tmp_path, gpus=1, max_attempts=1)
+    wait_for(lambda: api.job(j["id"])["state"] == "RUNNING", what="the job running")
+    resp = api.session.get(f"{server.url}/api/v1/jobs/{j['id']}/logs/stream", stream=True,
+                           timeout=(5, 8))
+    lines = resp.iter_lines(decode_unicode=True)
+    assert next(lines) == ": following"
+    node.kill()
+    end = None
+    for raw in lines:            # a read that waits past 8 s raises: the test fails
+        if raw.startswith("data: ") and end is not None:
+            end = json.loads(raw[6:])
+            break
+        if raw == "event: end":
+            end = True
+    resp.close()
+    assert end == {"state": "FAILED"}
+    j = api.job(j["id"])
+    assert j["failure_kind"] == "NODE_LOST"
+    (tmp_path / "release-all").touch()

@@ -6,6 +6,7 @@ import tomllib
 import pytest
 
 from gpuplane.app import create_app
+from gpuplane import semantic
 from gpuplane.db import metrics, now_ms, tokens
 from gpuplane.rollup import Rollup
 
@@ -362,7 +363,7 @@ def test_best_step_found_through_levels(client, db):
     ("val/wer", "min"), ("f1", "max"),
 ])
 def test_direction(key, want):
-    assert metrics.direction(key) == want
+    assert semantic.direction(key) == want
 
 
 def test_multi_run_series(client):

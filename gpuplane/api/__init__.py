@@ -14,3 +14,8 @@ def blueprints():
 def current_db():
     """The app's Database (gpuplane.db), for the route modules."""
     return current_app.config["DB"]
+
+
+def current_lifecycle():
+    """The app's Lifecycle (gpuplane.lifecycle): every job/run state change goes there."""
+    return current_app.config["LIFECYCLE"]

@@ -39,7 +39,7 @@ def create_token():
 @bp.delete("/tokens/<int:token_id>")
 @requires("admin")
 def revoke_token(token_id):
-    row = current_db().query_one("SELECT name, scope FROM tokens WHERE id = ?", (token_id,))
+    row = tokens.get(current_db(), token_id)
     if row is None:
         raise NotFound(f"token {token_id} does not exist; see `gpuplane token list`")
     if row["name"] == tokens.SERVER_ADMIN:

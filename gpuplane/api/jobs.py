@@ -9,7 +9,7 @@ from ..auth import requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound
 from .validate import body, field, query_int
-from . import current_db
+from . import current_db, current_lifecycle
 
 bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
 
@@ -25,7 +25,7 @@ def _job_or_404(job_id):
 
 
 def parse_job_spec(data):
-    """Validate a submit body into the spec jobs.submit() stores."""
+    """Validate a submit body into the spec lifecycle.submit() stores."""
     command = data.get("command")
     if isinstance(command, str):
         if not command.strip():
@@ -72,9 +72,7 @@ def parse_job_spec(data):
 @bp.post("/jobs")
 @requires("write")
 def submit():
-    job = jobs.submit(current_db(), parse_job_spec(body()))
-    current_app.config["SCHEDULER"].wake()
-    return job, 201
+    return current_lifecycle().submit(parse_job_spec(body())), 201
 
 
 @bp.get("/jobs")
@@ -106,14 +104,9 @@ def show(job_id):
 @requires("write")
 def cancel(job_id):
     _job_or_404(job_id)
-    job, target = jobs.request_cancel(current_db(), job_id)
-    if target is None and job["state"] != "CANCELLED":
+    job, accepted = current_lifecycle().cancel(job_id)
+    if not accepted:
         raise Conflict(f"job {job_id} already ended ({job['state']}); nothing to cancel")
-    if target is not None:
-        node, attempt = target
-        current_app.config["GATEWAY"].send(node, {"type": "cancel", "job_id": job_id,
-                                                  "attempt": attempt})
-    current_app.config["HUB"].publish()
     return job
 
 
@@ -121,11 +114,10 @@ def cancel(job_id):
 @requires("write")
 def retry(job_id):
     _job_or_404(job_id)
-    job, ok = jobs.retry(current_db(), job_id)
+    job, ok = current_lifecycle().retry(job_id)
     if not ok:
         raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
                        "be retried (cancel it first)")
-    current_app.config["SCHEDULER"].wake()
     return job
 
 

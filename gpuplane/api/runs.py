@@ -5,10 +5,10 @@ import os
 from flask import Blueprint, request
 
 from ..auth import requires
-from ..db import dumps, events, jobs, now_ms, runs
+from ..db import checkpoints, dumps, events, jobs, now_ms, runs
 from ..errors import BadRequest, NotFound
 from .validate import body, field, query_int
-from . import current_db
+from . import current_db, current_lifecycle
 
 bp = Blueprint("runs", __name__, url_prefix="/api/v1")
 
@@ -28,12 +28,11 @@ def register():
     if len(dumps(config)) > 1_000_000:
         raise BadRequest("'config' is larger than 1 MB; log big things as files")
     source = field(data, "source", str, "sdk", choices=("sdk", "import"))
-    with current_db().tx() as c:
-        run_id = runs.create(
-            c, source=source, state="RUNNING",
-            project=field(data, "project", str, "default", max_len=200) or "default",
-            experiment=field(data, "experiment", str, "", max_len=200),
-            name=field(data, "name", str, "", max_len=200), config=config)
+    run_id = current_lifecycle().register_run(
+        source=source,
+        project=field(data, "project", str, "default", max_len=200) or "default",
+        experiment=field(data, "experiment", str, "", max_len=200),
+        name=field(data, "name", str, "", max_len=200), config=config)
     return runs.get(current_db(), run_id), 201
 
 
@@ -65,8 +64,7 @@ def finish(run_id):
     status = field(body(), "status", str, "SUCCEEDED",
                    choices=("SUCCEEDED", "FAILED", "CANCELLED"))
     if run["source"] != "job":      # a job's outcome is what its agent reports
-        with current_db().tx() as c:
-            runs.finish(c, run_id, status)
+        current_lifecycle().finish_run(run_id, status)
     return runs.get(current_db(), run_id)
 
 
@@ -96,11 +94,7 @@ def add_checkpoint(run_id):
     epoch = _opt_number(data, "epoch", float)
     size = _opt_number(data, "size_bytes", int)
     with current_db().tx() as c:
-        cur = c.execute(
-            "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
-            " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-            (run_id, path, step, epoch, size, f"sdk:{step}:{size}", now_ms()))
-        checkpoint_id = cur.lastrowid
+        checkpoint_id = checkpoints.add(c, run_id, path, step, epoch, size, None, now_ms())
     return {"id": checkpoint_id, "run_id": run_id, "path": path, "step": step,
             "epoch": epoch, "size_bytes": size}, 201
 

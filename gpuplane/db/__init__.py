@@ -3,8 +3,20 @@
 `Database` owns the file: schema and forward migrations (PRAGMA user_version), one
 connection per thread for reads, and `tx()` for writes — an IMMEDIATE transaction under a
 process-wide lock, so there is one writer at a time and readers never block (WAL).
-The query functions live beside this module, one per noun (jobs, nodes, logs, metrics,
-tokens); each takes the `Database` as its first argument.
+The query functions live beside this module, one module per noun (jobs, runs, nodes,
+logs, metrics, tokens, events, checkpoints).
+
+The transaction convention (followed by every module here):
+- A function whose first argument is `conn` runs inside the CALLER's transaction: it
+  neither begins nor commits. The caller opened it with `with db.tx() as conn:` and
+  decides what else commits together with it (gpuplane/lifecycle.py writes a state and
+  its event that way; the gateway writes a whole agent batch and its cursor).
+- A function whose first argument is `db` (the `Database`) and that writes opens its own
+  transaction (`with db.tx()`); one that only reads uses this thread's connection, so
+  inside a transaction it sees that transaction's writes.
+- `tx()` does not nest: calling it while this thread's connection is already in a
+  transaction raises, instead of silently joining the outer one. Pass `conn` down.
+Nothing outside gpuplane/db/ writes SQL text (tests/test_layers.py checks).
 """
 import contextlib
 import json
@@ -194,12 +206,16 @@ CREATE TABLE metric_dirty (
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS]
 
 
+class NestedTransaction(RuntimeError):
+    """db.tx() was called inside a transaction of the same thread."""
+
+
 class Database:
     def __init__(self, path):
         self.path = str(path)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._local = threading.local()
-        self._write_lock = threading.RLock()
+        self._write_lock = threading.Lock()
         self.migrate()
 
     def _connect(self):
@@ -238,11 +254,14 @@ class Database:
     @contextlib.contextmanager
     def tx(self):
         """One write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error."""
+        conn = self.conn
+        if conn.in_transaction:
+            # Joining quietly would make the inner caller believe its writes are
+            # committed when the outer transaction may still roll them back.
+            raise NestedTransaction(
+                "db.tx() inside a transaction; call the function that takes `conn` "
+                "with the outer transaction's connection instead")
         with self._write_lock:
-            conn = self.conn
-            if conn.in_transaction:      # nested: join the outer transaction
-                yield conn
-                return
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -263,6 +282,20 @@ class Database:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+@contextlib.contextmanager
+def savepoint(conn, name="sp"):
+    """A part of the caller's transaction that rolls back alone on an exception (which is
+    re-raised): one bad record of an agent's batch must not undo the others."""
+    conn.execute(f"SAVEPOINT {name}")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute(f"ROLLBACK TO {name}")
+        conn.execute(f"RELEASE {name}")
+        raise
+    conn.execute(f"RELEASE {name}")
 
 
 def loads(text, default=None):

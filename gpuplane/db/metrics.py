@@ -18,6 +18,8 @@ import struct
 import sys
 from itertools import chain, repeat
 
+from .. import semantic
+
 MAX_KEYS = 10_000
 MAX_STEP = 2**63 - 1
 # Level widths: 16, 64, 256, ... 4**31 (the last below 2**63). The base level is 16, not
@@ -282,23 +284,6 @@ def key_names(db, run_id):
 def key_id(db, run_id, key):
     row = db.query_one("SELECT id FROM metric_keys WHERE run_id = ? AND key = ?", (run_id, key))
     return row[0] if row else None
-
-
-_MIN_WORDS = {"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer",
-              "time", "nll", "latency"}
-_MAX_WORDS = {"acc", "accuracy", "f1", "precision", "recall", "auc", "bleu", "rouge", "map",
-              "iou", "reward", "score", "return", "top1", "top5"}
-
-
-def direction(key):
-    """'min' or 'max' from the key's name: the last word that says which wins."""
-    words = "".join(c if c.isalnum() else " " for c in key.lower()).split()
-    for word in reversed(words):
-        if word in _MIN_WORDS:
-            return "min"
-        if word in _MAX_WORDS:
-            return "max"
-    return "min"
 
 
 # -- rollups (run by gpuplane.rollup.Rollup) ----------------------------------------------
@@ -632,7 +617,7 @@ def summary(db, run_id):
 def key_summary(db, key_id, key):
     conn = db.conn
     rolled, top, pruned = _rollup_state(conn, key_id)
-    d = direction(key)
+    d = semantic.direction(key)
     count, first, last_step = 0, None, None
     best = None          # (value, width, row)
     for w, row in _cover(conn, key_id, rolled, top):
@@ -660,7 +645,7 @@ def key_summary(db, key_id, key):
         "best": None if best is None else
         {"step": _best_step(conn, key_id, d, best), "value": encode(best[0])},
         "direction": d,
-        "trend": trend(db, key_id, d),
+        "trend": semantic.trend(series(db, key_id, max_points=200)[1], d),
         "first_step": first,
         "last_step": last_step,
     }
@@ -692,31 +677,6 @@ def _best_step(conn, key_id, d, best):
     r = conn.execute("SELECT first_step FROM rollups WHERE key_id = ? AND width = ? AND bucket = ?",
                      (key_id, BASE, bucket)).fetchone()
     return r[0] if r else row[1]
-
-
-TREND_WINDOW = 0.10      # compare the last 10% of the run with the 10% before it
-TREND_TOLERANCE = 0.01   # relative change below this is "flat"
-
-
-def trend(db, key_id, d):
-    """'improving' | 'worsening' | 'flat' | 'unknown': mean of the last 10% of the run's
-    steps against the 10% before, on a 200-bucket downsampled series."""
-    _, pts = series(db, key_id, max_points=200)
-    pts = [p for p in pts if p[3] is not None and math.isfinite(p[3])]
-    if len(pts) < 4 or sum(p[5] for p in pts) < 4:
-        return "unknown"
-    k = max(1, round(len(pts) * TREND_WINDOW))
-    last, prev = pts[-k:], pts[-2 * k:-k]
-
-    def mean(ps):
-        n = sum(p[5] for p in ps)
-        return sum(p[3] * p[5] for p in ps) / n
-
-    a, b = mean(last), mean(prev)
-    if abs(a - b) <= TREND_TOLERANCE * max(abs(a), abs(b)) or a == b:
-        return "flat"
-    better = a < b if d == "min" else a > b
-    return "improving" if better else "worsening"
 
 
 def encode(v):

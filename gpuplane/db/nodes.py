@@ -13,24 +13,24 @@ def to_dict(row):
     return d
 
 
-def hello(db, msg):
-    """Record a (re)connect. Returns the cursor for the agent's epoch (0 for a new epoch)."""
+def hello(c, msg):
+    """Record a (re)connect inside the caller's transaction. Returns the cursor for the
+    agent's epoch (0 for a new epoch)."""
     ts = now_ms()
     name = msg["node"]
-    with db.tx() as c:
-        row = c.execute("SELECT epoch, cursor FROM nodes WHERE name = ?", (name,)).fetchone()
-        cursor = row["cursor"] if row and row["epoch"] == msg["epoch"] else 0
-        c.execute(
-            "INSERT INTO nodes (name, hostname, version, fake, cpu_slots, gpus, state, synced,"
-            " epoch, cursor, connected_at, last_seen) VALUES (?,?,?,?,?,?,'connected',0,?,?,?,?)"
-            " ON CONFLICT (name) DO UPDATE SET hostname = excluded.hostname,"
-            " version = excluded.version, fake = excluded.fake, cpu_slots = excluded.cpu_slots,"
-            " gpus = excluded.gpus, state = 'connected', synced = 0, epoch = excluded.epoch,"
-            " cursor = excluded.cursor, connected_at = excluded.connected_at,"
-            " disconnected_at = NULL, last_seen = excluded.last_seen",
-            (name, msg.get("hostname"), msg.get("version"), int(bool(msg.get("fake"))),
-             int(msg.get("cpu_slots") or 4), dumps(msg.get("gpus") or []), msg["epoch"],
-             cursor, ts, ts))
+    row = c.execute("SELECT epoch, cursor FROM nodes WHERE name = ?", (name,)).fetchone()
+    cursor = row["cursor"] if row and row["epoch"] == msg["epoch"] else 0
+    c.execute(
+        "INSERT INTO nodes (name, hostname, version, fake, cpu_slots, gpus, state, synced,"
+        " epoch, cursor, connected_at, last_seen) VALUES (?,?,?,?,?,?,'connected',0,?,?,?,?)"
+        " ON CONFLICT (name) DO UPDATE SET hostname = excluded.hostname,"
+        " version = excluded.version, fake = excluded.fake, cpu_slots = excluded.cpu_slots,"
+        " gpus = excluded.gpus, state = 'connected', synced = 0, epoch = excluded.epoch,"
+        " cursor = excluded.cursor, connected_at = excluded.connected_at,"
+        " disconnected_at = NULL, last_seen = excluded.last_seen",
+        (name, msg.get("hostname"), msg.get("version"), int(bool(msg.get("fake"))),
+         int(msg.get("cpu_slots") or 4), dumps(msg.get("gpus") or []), msg["epoch"],
+         cursor, ts, ts))
     return cursor
 
 
@@ -53,15 +53,16 @@ def seen(db, name):
         c.execute("UPDATE nodes SET last_seen = ? WHERE name = ?", (now_ms(), name))
 
 
-def set_synced(db, name):
-    with db.tx() as c:
-        c.execute("UPDATE nodes SET synced = 1 WHERE name = ? AND state = 'connected'", (name,))
+def set_synced(conn, name):
+    conn.execute("UPDATE nodes SET synced = 1 WHERE name = ? AND state = 'connected'",
+                 (name,))
 
 
-def disconnected(db, name):
-    with db.tx() as c:
-        c.execute("UPDATE nodes SET state = 'disconnected', synced = 0, disconnected_at = ?"
-                  " WHERE name = ? AND state = 'connected'", (now_ms(), name))
+def disconnected(conn, name):
+    """Returns whether the node was connected (so this is a change)."""
+    return conn.execute(
+        "UPDATE nodes SET state = 'disconnected', synced = 0, disconnected_at = ?"
+        " WHERE name = ? AND state = 'connected'", (now_ms(), name)).rowcount > 0
 
 
 def all_disconnected(db):

@@ -48,12 +48,23 @@ def for_job(db, job_id):
 
 
 def finish(conn, run_id, state, exit_code=None, failure_kind=None, ts=None):
-    conn.execute(
+    """Returns whether the run was still open (so this ended it)."""
+    return conn.execute(
         "UPDATE runs SET state = ?, exit_code = ?, failure_kind = ?, ended_at = ?"
         " WHERE id = ? AND state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED')",
-        (state, exit_code, failure_kind, ts or now_ms(), run_id))
+        (state, exit_code, failure_kind, ts or now_ms(), run_id)).rowcount > 0
 
 
 def mark_running(conn, run_id, ts=None):
     conn.execute("UPDATE runs SET state = 'RUNNING', started_at = COALESCE(started_at, ?)"
                  " WHERE id = ? AND state = 'STARTING'", (ts or now_ms(), run_id))
+
+
+def for_attempt(conn, job_id, attempt):
+    row = conn.execute("SELECT * FROM runs WHERE job_id = ? AND attempt = ?",
+                       (job_id, attempt)).fetchone()
+    return to_dict(row)
+
+
+def exists(conn, run_id):
+    return conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is not None

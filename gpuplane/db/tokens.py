@@ -14,17 +14,30 @@ def hash_secret(secret):
 
 
 def create(db, name, scope, run_id=None, secret=None):
-    """Store a token; returns (row id, secret). `secret` is given for the admin token."""
+    """Store a token in its own transaction; returns (row id, secret). `secret` is given
+    for the admin token."""
+    with db.tx() as conn:
+        return add(conn, name, scope, run_id, secret)
+
+
+def add(conn, name, scope, run_id=None, secret=None):
+    """create() inside the caller's transaction."""
     secret = secret or PREFIX[scope] + secrets.token_urlsafe(24)
-    with db.tx() as c:
-        cur = c.execute(
-            "INSERT INTO tokens (name, scope, secret_hash, run_id, created_at)"
-            " VALUES (?, ?, ?, ?, ?)"
-            " ON CONFLICT (secret_hash) DO UPDATE SET revoked = 0, scope = excluded.scope",
-            (name, scope, hash_secret(secret), run_id, now_ms()))
-        token_id = cur.lastrowid or c.execute(
-            "SELECT id FROM tokens WHERE secret_hash = ?", (hash_secret(secret),)).fetchone()[0]
+    conn.execute(
+        "INSERT INTO tokens (name, scope, secret_hash, run_id, created_at)"
+        " VALUES (?, ?, ?, ?, ?)"
+        " ON CONFLICT (secret_hash) DO UPDATE SET revoked = 0, scope = excluded.scope",
+        (name, scope, hash_secret(secret), run_id, now_ms()))
+    # lastrowid is not reliable after an upsert that updated: look the id up.
+    token_id = conn.execute("SELECT id FROM tokens WHERE secret_hash = ?",
+                            (hash_secret(secret),)).fetchone()[0]
     return token_id, secret
+
+
+def get(db, token_id):
+    row = db.query_one("SELECT id, name, scope, run_id, created_at, revoked FROM tokens"
+                       " WHERE id = ?", (token_id,))
+    return dict(row) if row else None
 
 
 def lookup(db, secret):

@@ -1,0 +1,330 @@
+"""Job, attempt, run and node state changes, and everything they set off, in one place.
+
+Each transition runs in one transaction that writes the new state and appends exactly one
+lifecycle event to the `events` table (type in TYPES, with job, run, node and attempt and
+a sentence for people). After the commit, and only then, its consequences follow in a
+fixed order: the hub is published (SSE followers wake), the scheduler is woken when slots
+or the queue changed, agent commands go to the gateway, and every `on_event` listener gets
+each event dict. A rolled-back transition sets off nothing.
+
+This module decides which state follows which; gpuplane/db/ holds the SQL. It knows the
+scheduler and the gateway only as what app.py binds: a `wake()` callable and an `agents`
+object with `start(job, ingest_token)` and `cancel(node, job_id, attempt)`.
+
+A transition can also run inside a bigger transaction (the gateway applies an agent's
+batch and advances its cursor atomically): pass the `Tx` of `lifecycle.transaction()` as
+`t`, and the consequences wait for that transaction's commit.
+"""
+import contextlib
+import logging
+
+from .db import events, jobs, nodes, now_ms, runs, savepoint, tokens
+
+log = logging.getLogger(__name__)
+
+QUEUED, DISPATCHED, STARTED = "QUEUED", "DISPATCHED", "STARTED"
+SUCCEEDED, FAILED, CANCELLED, RETRIED = "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED"
+NODE_UP, NODE_DOWN = "NODE_UP", "NODE_DOWN"
+TYPES = (QUEUED, DISPATCHED, STARTED, SUCCEEDED, FAILED, CANCELLED, RETRIED, NODE_UP,
+         NODE_DOWN)
+
+# What the agent reports as a lost attempt, and the kind the job records for it.
+TRANSIENT_ALIASES = {"LOST": "NODE_LOST"}
+
+
+class Tx:
+    """One open transaction of state changes; `conn` is free for other SQL that must
+    commit together with them. What the changes set off is collected here until commit."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.events = []
+        self.commands = []
+        self.wake = False
+        self.publish = False
+
+    @contextlib.contextmanager
+    def savepoint(self, name="sp"):
+        """Roll back this part alone on an exception (which is re-raised), and drop what
+        it would have set off."""
+        mark = (len(self.events), len(self.commands), self.wake, self.publish)
+        try:
+            with savepoint(self.conn, name):
+                yield self
+        except BaseException:
+            del self.events[mark[0]:]
+            del self.commands[mark[1]:]
+            self.wake, self.publish = mark[2], mark[3]
+            raise
+
+
+class Lifecycle:
+    def __init__(self, db, publish=None, wake=None, agents=None):
+        self.db = db
+        self._publish = publish
+        self._wake = wake
+        self.agents = agents
+        self._listeners = []
+
+    def bind(self, *, publish=None, wake=None, agents=None):
+        """Wire the consequences (app.py does this once the pieces exist)."""
+        if publish is not None:
+            self._publish = publish
+        if wake is not None:
+            self._wake = wake
+        if agents is not None:
+            self.agents = agents
+
+    def on_event(self, callback):
+        """Call `callback(event)` after commit for every lifecycle event (a dict with id,
+        type, job_id, run_id, node, severity, message, data (attempt, failure_kind, ...),
+        ts). A listener must be quick and must not raise; an exception is logged."""
+        self._listeners.append(callback)
+        return callback
+
+    def wake_scheduler(self):
+        if self._wake is not None:
+            self._wake()
+
+    # -- transactions -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self):
+        with self.db.tx() as conn:
+            t = Tx(conn)
+            yield t
+        self._after(t)
+
+    @contextlib.contextmanager
+    def _tx(self, t):
+        if t is not None:
+            yield t
+        else:
+            with self.transaction() as t:
+                yield t
+
+    def _after(self, t):
+        if (t.events or t.publish) and self._publish is not None:
+            self._publish()
+        if t.wake:
+            self.wake_scheduler()
+        for command in t.commands:
+            try:
+                command()
+            except Exception:
+                log.exception("agent command failed")
+        for event in t.events:
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("lifecycle listener %r failed on %s", listener,
+                                  event["type"])
+
+    def _event(self, t, type, message, *, job=None, run_id=None, node=None, attempt=None,
+               severity="info", data=None, wake=True, ts=None):
+        if job is not None:
+            run_id = run_id if run_id is not None else job["run_id"]
+            node = node if node is not None else job["node"]
+            attempt = attempt if attempt is not None else job["attempt"]
+        payload = dict(data or {})
+        if attempt:
+            payload["attempt"] = attempt
+        ev = events.add(t.conn, type, message, severity=severity, run_id=run_id,
+                        job_id=job["id"] if job else None, node=node, data=payload, ts=ts)
+        t.events.append(ev)
+        t.wake = t.wake or wake
+        return ev
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def submit(self, spec, t=None):
+        """A new job, QUEUED. Returns it."""
+        with self._tx(t) as t:
+            job_id = jobs.insert(t.conn, spec, now_ms())
+            job = jobs.fetch(t.conn, job_id)
+            self._event(t, QUEUED, f"job {job_id} ({job['name']}) queued", job=job)
+        return job
+
+    def assign(self, job_id, node, gpu_indices, t=None):
+        """Give a queued job to a node: a new attempt, its run and ingest token, and the
+        start command to the agent. Returns the job, or None when it is no longer queued
+        (cancelled meanwhile)."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["state"] != "QUEUED":
+                return None
+            attempt = job["attempt"] + 1
+            run_id = runs.create(t.conn, source="job", state="STARTING",
+                                 project=job["project"], experiment=job["experiment"],
+                                 name=job["name"], job_id=job_id, attempt=attempt, node=node,
+                                 gpu_indices=gpu_indices, config={"command": job["command"]})
+            _, secret = tokens.add(t.conn, f"run {run_id}", "ingest", run_id=run_id)
+            jobs.set_dispatched(t.conn, job_id, attempt, node, gpu_indices, run_id)
+            job = jobs.fetch(t.conn, job_id)
+            where = "CPU slot" if job["cpu_only"] else f"GPUs {gpu_indices}"
+            self._event(t, DISPATCHED, f"job {job_id} attempt {attempt} sent to {node} "
+                        f"({where})", job=job, wake=False)
+            # If this send is lost, the job stays DISPATCHED and the agent's next sync
+            # brings the same start again (gateway.reconcile).
+            if self.agents is not None:
+                t.commands.append(lambda: self.agents.start(job, secret))
+        return job
+
+    def started(self, job_id, attempt, ts=None, t=None):
+        """The agent started the attempt. Returns whether the job became RUNNING."""
+        ts = ts or now_ms()
+        with self._tx(t) as t:
+            run = runs.for_attempt(t.conn, job_id, attempt)
+            if run:
+                runs.mark_running(t.conn, run["id"], ts)
+            job = jobs.fetch(t.conn, job_id)
+            if not job or job["attempt"] != attempt or job["state"] != "DISPATCHED":
+                return False
+            jobs.set_running(t.conn, job_id, ts)
+            self._event(t, STARTED, f"job {job_id} attempt {attempt} started on "
+                        f"{job['node']}", job=job, wake=False, ts=ts)
+        return True
+
+    def finished(self, job_id, attempt, *, exit_code=None, failure_kind=None, message=None,
+                 ts=None, t=None):
+        """An attempt ended. Returns the job's new state, or None for a stale attempt.
+
+        No failure: SUCCEEDED. OOM, EXIT_CODE, DISPATCH_FAILED: FAILED, final. CANCELLED,
+        or any failure of a job whose cancel was asked for: CANCELLED. Anything else (the
+        node or the shim was lost): QUEUED again while attempts remain (RETRIED), else
+        FAILED."""
+        ts = ts or now_ms()
+        if failure_kind is None and exit_code not in (0, None):
+            failure_kind = "EXIT_CODE"
+        with self._tx(t) as t:
+            run = runs.for_attempt(t.conn, job_id, attempt)
+            if run:
+                run_state = ("SUCCEEDED" if failure_kind is None else
+                             "CANCELLED" if failure_kind == "CANCELLED" else "FAILED")
+                runs.finish(t.conn, run["id"], run_state, exit_code, failure_kind, ts)
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["attempt"] != attempt or job["state"] not in jobs.ACTIVE:
+                t.publish = True      # the run's state may have changed
+                return None
+            if job["cancel_requested"] and failure_kind is not None:
+                failure_kind, state = "CANCELLED", "CANCELLED"
+            elif failure_kind is None:
+                state = "SUCCEEDED"
+            elif failure_kind == "CANCELLED":
+                state = "CANCELLED"
+            elif failure_kind in jobs.FINAL_FAILURES:
+                state = "FAILED"
+            else:
+                failure_kind = TRANSIENT_ALIASES.get(failure_kind, failure_kind)
+                state = "QUEUED" if attempt < job["max_attempts"] else "FAILED"
+            data = {"exit_code": exit_code, "failure_kind": failure_kind}
+            if state == "QUEUED":
+                jobs.set_requeued(t.conn, job_id, failure_kind, exit_code, message)
+                self._event(t, RETRIED, f"job {job_id} attempt {attempt} lost "
+                            f"({failure_kind}); queued again as attempt {attempt + 1} of "
+                            f"{job['max_attempts']}", job=job, severity="warning", data=data)
+                return state
+            jobs.set_ended(t.conn, job_id, state, failure_kind, exit_code, message, ts)
+            text = (f"job {job_id} ({job['name']}) attempt {attempt} {state.lower()}"
+                    + (f": {failure_kind}" if failure_kind else "")
+                    + (f" (exit {exit_code})" if exit_code not in (None, 0) else "")
+                    + (f" on {job['node']}" if job["node"] else ""))
+            # OOM stays easy to find: a FAILED event with failure_kind OOM, critical.
+            severity = ("critical" if failure_kind == "OOM" else
+                        "warning" if state == "FAILED" else "info")
+            self._event(t, state, text, job=job, severity=severity, data=data, ts=ts)
+        return state
+
+    def cancel(self, job_id, t=None):
+        """Returns (job, accepted). A queued job is CANCELLED at once; an active one gets
+        its cancel sent to the agent and becomes CANCELLED when the agent reports its end
+        (or its node is lost). An ended job: accepted only if it was already CANCELLED."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None:
+                return None, False
+            if job["state"] in jobs.FINAL:
+                return job, job["state"] == "CANCELLED"
+            if job["state"] == "QUEUED":
+                jobs.set_ended(t.conn, job_id, "CANCELLED", "CANCELLED", None, None, now_ms())
+                job = jobs.fetch(t.conn, job_id)
+                self._event(t, CANCELLED, f"job {job_id} ({job['name']}) cancelled while "
+                            "queued", job=job, data={"failure_kind": "CANCELLED"})
+                return job, True
+            jobs.set_cancel_requested(t.conn, job_id)
+            t.publish = True
+            node, attempt = job["node"], job["attempt"]
+            if self.agents is not None:
+                t.commands.append(lambda: self.agents.cancel(node, job_id, attempt))
+            job = jobs.fetch(t.conn, job_id)
+        return job, True
+
+    def retry(self, job_id, t=None):
+        """A FAILED or CANCELLED job goes back in the queue (its next attempt is a new
+        run). Returns (job, accepted)."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["state"] not in ("FAILED", "CANCELLED"):
+                return job, False
+            jobs.set_queued_by_hand(t.conn, job_id, now_ms())
+            job = jobs.fetch(t.conn, job_id)
+            self._event(t, RETRIED, f"job {job_id} ({job['name']}) queued again by hand",
+                        job=job, run_id=None, node=None)
+        return job, True
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def node_up(self, hello, t=None):
+        """An agent said hello. Returns the outbox cursor of its epoch."""
+        node = hello["node"]
+        with self._tx(t) as t:
+            cursor = nodes.hello(t.conn, hello)
+            self._event(t, NODE_UP, f"node {node} connected", node=node, wake=False)
+        return cursor
+
+    def node_synced(self, node, t=None):
+        """The node's jobs are reconciled: its free slots may be used. Not a transition
+        of a job, so no event."""
+        with self._tx(t) as t:
+            nodes.set_synced(t.conn, node)
+            t.wake = t.publish = True
+
+    def node_down(self, node, t=None):
+        """The agent's connection closed. Its jobs keep running (the agent re-adopts
+        them) until the grace period makes them lost (node_lost)."""
+        with self._tx(t) as t:
+            if nodes.disconnected(t.conn, node):
+                self._event(t, NODE_DOWN, f"node {node} disconnected", node=node,
+                            severity="warning")
+
+    def node_lost(self, node, grace_s):
+        """The node has been gone longer than the grace period: each of its active
+        attempts is finished NODE_LOST (retried while attempts remain), one transaction
+        each. Returns the job ids."""
+        lost = []
+        for job in jobs.active(self.db, node):
+            log.warning("node %s gone for more than %.0f s: job %d attempt %d lost",
+                        node, grace_s, job["id"], job["attempt"])
+            self.finished(job["id"], job["attempt"], failure_kind="NODE_LOST",
+                          message=f"node {node} lost")
+            lost.append(job["id"])
+        return lost
+
+    # -- runs of their own (SDK, import) -----------------------------------------------
+
+    def register_run(self, *, source, project, experiment, name, config, t=None):
+        """A run the SDK (or an import) registers itself: RUNNING from the start."""
+        with self._tx(t) as t:
+            run_id = runs.create(t.conn, source=source, state="RUNNING", project=project,
+                                 experiment=experiment, name=name, config=config)
+            self._event(t, STARTED, f"run {run_id} ({name or source}) started",
+                        run_id=run_id, wake=False)
+        return run_id
+
+    def finish_run(self, run_id, status, t=None):
+        """A run that is not a job's attempt ends (a job's runs end with their attempt)."""
+        with self._tx(t) as t:
+            if runs.finish(t.conn, run_id, status):
+                self._event(t, status, f"run {run_id} {status.lower()}", run_id=run_id,
+                            wake=False, severity="warning" if status == "FAILED" else "info")
