@@ -11,7 +11,7 @@ import math
 
 from flask import Blueprint, Response, request
 
-from .. import analysis
+from .. import analysis, semantic
 from ..auth import requires
 from ..db import analysis as load, metrics, now_ms
 from ..errors import BadRequest, NotFound
@@ -108,7 +108,7 @@ def compare_checkpoints():
         raise BadRequest(f"no run among {run_ids} has the metric {key!r}; they have: "
                          f"{', '.join(names) or 'no metrics yet'}")
     direction = next((k["direction"] for b in bundles for k in b["keys"] if k["key"] == key),
-                     metrics.direction(key or ""))
+                     semantic.direction(key or ""))
     cks = load.checkpoints(current_db(), run_ids, [key] if key else [])
     result = analysis.compare_checkpoints(cks, key, direction)
     best = analysis.get_best_checkpoint(cks, key, direction)
