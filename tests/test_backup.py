@@ -1,6 +1,10 @@
 """Online backups (gpuplane/db/backup.py): taken while a real server ingests, restored into
 a home whose server then starts on it."""
+import json
+import os
 import sqlite3
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -96,3 +100,27 @@ def test_restore_keeps_the_database_it_replaces(tmp_path, live_server):
     backup.restore(home, good)
     info, kept = backup.restore(home, good)
     assert kept and backup.check(kept)["schema_version"] == info["schema_version"]
+
+
+def _cli(*argv, home):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    return subprocess.run([sys.executable, "-m", "gpuplane", *argv, "--home", str(home)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_cli_backup_list_and_restore_refused_while_the_server_runs(live_server):
+    live_server.api.post("/api/v1/jobs", {"command": ["true"], "working_dir": "/tmp",
+                                          "name": "keepme"}, expect=201)
+    r = _cli("backup", "--keep", "2", home=live_server.home)
+    assert r.returncode == 0, r.stderr
+    assert "backed up 1 jobs" in r.stdout and "integrity ok" in r.stdout
+    listed = _cli("backup", "--list", "--json", home=live_server.home)
+    path = json.loads(listed.stdout)[0]["path"]
+    r = _cli("restore", path, home=live_server.home)
+    assert r.returncode == 1 and "stop it first" in r.stderr
+    live_server.stop()
+    r = _cli("restore", path, home=live_server.home)
+    assert r.returncode == 0, r.stderr
+    assert "restored" in r.stdout and "kept as" in r.stdout
+    r = _cli("restore", str(live_server.home / "nope.db"), home=live_server.home)
+    assert r.returncode == 1 and "does not exist" in r.stderr and "nothing was changed" in r.stderr

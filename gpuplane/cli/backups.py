@@ -1,0 +1,95 @@
+"""`gpuplane backup`, `gpuplane backup list`, `gpuplane restore FILE`: the server's database
+(docs/operations.md). They work on the local home's files, not over REST: a backup is safe
+while the server runs; a restore needs it stopped."""
+
+from .common import EXIT_OK, CliError, command, parents, print_json, print_table
+
+
+def add_parser(subparsers):
+    _, js, home = parents()
+    p = command(subparsers, "backup",
+                "an online backup of the server's database into <home>/backups/ "
+                "(safe while the server runs and ingests)", parents=(home, js))
+    p.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="keep the newest N backups (default: backup_keep in server.toml, 7)")
+    p.add_argument("--list", action="store_true", help="list the backups instead")
+    p.set_defaults(func=cmd_backup)
+
+    p = command(subparsers, "restore",
+                "put a backup in place of the server's database (stop the server first); "
+                "the file is checked before anything is replaced", parents=(home, js))
+    p.add_argument("file", metavar="FILE", help="a backup, e.g. from `gpuplane backup --list`")
+    p.set_defaults(func=cmd_restore)
+
+
+def _home(args):
+    from gpuplane import config
+    return config.home_dir(getattr(args, "home", None))
+
+
+def cmd_backup(args):
+    from gpuplane.config import load_server_config
+    from gpuplane.db import backup
+    home = _home(args)
+    if args.list:
+        items = backup.list_backups(home)
+        if args.json:
+            print_json(items)
+        elif not items:
+            print(f"no backups in {backup.backup_dir(home)} yet; take one with `gpuplane backup`")
+        else:
+            print_table([[b["path"], f"{b['size_bytes'] / 1e6:.1f} MB"] for b in items],
+                        ["FILE", "SIZE"])
+        return EXIT_OK
+    keep = args.keep if args.keep is not None else int(
+        load_server_config(home).get("backup_keep") or 7)
+    if keep < 1:
+        raise CliError("--keep must be 1 or more")
+    try:
+        info = backup.take(home, keep=keep)
+    except backup.BackupError as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print_json(info)
+    else:
+        print(f"backed up {info.get('jobs', 0)} jobs and {info.get('runs', 0)} runs to "
+              f"{info['path']} ({info['size_bytes'] / 1e6:.1f} MB, integrity ok); "
+              f"keeping the newest {keep}")
+    return EXIT_OK
+
+
+def cmd_restore(args):
+    from gpuplane.db import backup
+    home = _home(args)
+    running = _server_running(home)
+    if running:
+        raise CliError(f"a server is running on this home ({running}); stop it first "
+                       "(Ctrl-C on `gpuplane up`, or `systemctl --user stop gpuplane-server`)")
+    try:
+        info, kept = backup.restore(home, args.file)
+    except backup.BackupError as e:
+        raise CliError(f"{e}; nothing was changed") from None
+    if args.json:
+        print_json({**info, "previous": kept})
+        return EXIT_OK
+    print(f"restored {args.file}: {info.get('jobs', 0)} jobs, {info.get('runs', 0)} runs, "
+          f"schema version {info['schema_version']}")
+    if kept:
+        print(f"the database it replaced is kept as {kept}")
+    print("start the server again: `gpuplane server` (or `gpuplane up`)")
+    return EXIT_OK
+
+
+def _server_running(home):
+    """What shows a server on this home is up: it answers on the port in server.toml."""
+    import socket
+
+    from gpuplane.config import load_server_config
+    cfg = load_server_config(home)
+    host = cfg.get("host") or "127.0.0.1"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        with socket.create_connection((host, int(cfg["port"])), timeout=1):
+            return f"{host}:{cfg['port']}"
+    except OSError:
+        return None
