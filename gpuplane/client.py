@@ -17,7 +17,8 @@ DEFAULT_TIMEOUT = 30
 # connection is dead even if the socket does not say so.
 STREAM_READ_TIMEOUT = 60
 
-__all__ = ["ApiError", "Client", "ServerUnreachable", "resolve", "local_server"]
+__all__ = ["ApiError", "BadServerAddress", "Client", "ServerUnreachable", "resolve",
+           "local_server"]
 
 
 class ApiError(Exception):
@@ -71,22 +72,74 @@ def local_server(home=None):
     return url, cfg.get("admin_token"), path
 
 
+class BadServerAddress(ValueError):
+    """--server / $GPUCTL_SERVER is not an address a client can use."""
+
+
+def normalize_server(text):
+    """'http://host:port' from what a user types: a URL, or HOST:PORT, or HOST."""
+    text = (text or "").strip().rstrip("/")
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError as e:
+        raise BadServerAddress(f"server address {text!r} is not a URL ({e}); use "
+                               "http://HOST:PORT or HOST:PORT, e.g. 127.0.0.1:8600") from None
+    if parts.scheme not in ("http", "https"):
+        raise BadServerAddress(f"server address {text!r} has scheme {parts.scheme!r}; use "
+                               "http://HOST:PORT or https://HOST:PORT")
+    if not parts.hostname:
+        raise BadServerAddress(f"server address {text!r} names no host; use "
+                               "http://HOST:PORT or HOST:PORT, e.g. 127.0.0.1:8600")
+    if parts.query or parts.fragment:
+        raise BadServerAddress(f"server address {text!r} has a query or fragment; give only "
+                               "the scheme, host and port (and a path prefix, if any)")
+    return text
+
+
+def _is_loopback(host):
+    if host is None:
+        return False
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", "::1", "0:0:0:0:0:0:0:1"):
+        return True
+    return host.startswith("127.") and host.replace(".", "").isdigit()
+
+
+def same_server(a, b):
+    """Whether two addresses reach the same server: equal, or both on this host's loopback
+    (localhost, 127.0.0.0/8, ::1) with the same port."""
+    if not a or not b:
+        return False
+    pa, pb = urllib.parse.urlsplit(a.rstrip("/")), urllib.parse.urlsplit(b.rstrip("/"))
+    if (pa.scheme, pa.hostname, pa.port, pa.path) == (pb.scheme, pb.hostname, pb.port, pb.path):
+        return True
+    default = {"http": 80, "https": 443}
+    return (pa.scheme == pb.scheme and _is_loopback(pa.hostname) and _is_loopback(pb.hostname)
+            and (pa.port or default.get(pa.scheme)) == (pb.port or default.get(pb.scheme))
+            and pa.path == pb.path)
+
+
 def resolve(server=None, token=None, home=None):
     """Pick (server_url, token): explicit arguments, then $GPUCTL_SERVER / $GPUCTL_TOKEN,
     then the local home's server.toml.
 
     The local admin token is only used when talking to that same local server, so a
-    secret never goes to a server it does not belong to.
+    secret never goes to a server it does not belong to. Raises BadServerAddress for an
+    address that is not one.
     """
     server = server or os.environ.get("GPUCTL_SERVER") or None
     token = token or os.environ.get("GPUCTL_TOKEN") or None
+    if server:
+        server = normalize_server(server)
     if server and token:
-        return server.rstrip("/"), token
+        return server, token
     local_url, admin_token, _ = local_server(home)
     if not server:
-        server = local_url or _connect_url("127.0.0.1", 8600)
-    server = server.rstrip("/")
-    if not token and local_url and server == local_url.rstrip("/"):
+        server = (local_url or _connect_url("127.0.0.1", 8600)).rstrip("/")
+    if not token and local_url and same_server(server, local_url):
         token = admin_token
     return server, token
 
@@ -262,6 +315,11 @@ class Client:
     def status(self):
         return self.get("status")
 
+    def placement_warning(self, job):
+        """A sentence when no node known to the server could ever hold `job` (a job as
+        answered by submit), else None. The job is queued either way: a node may come."""
+        return placement_warning(job, self.nodes())
+
     # -- runs -------------------------------------------------------------------
 
     def list_runs(self, project=None, experiment=None, job_id=None, limit=None):
@@ -340,6 +398,29 @@ class Client:
 
     def explain_failure(self, job_id):
         return self.get(f"jobs/{job_id}/explanation")
+
+
+def placement_warning(job, nodes):
+    if job.get("cpu_only") or not job.get("gpus"):
+        if not nodes:
+            return (f"no node has connected yet; job {job['id']} waits for an agent "
+                    "(see `gpuplane status`; docs/deploy.md starts one)")
+        if not any((n.get("cpu_slots") or 0) > 0 for n in nodes):
+            return (f"no node has CPU slots, so job {job['id']} (CPU only) cannot run until "
+                    "an agent with cpu_slots > 0 connects")
+        return None
+    want = job["gpus"]
+    if not nodes:
+        return (f"no node has connected yet; job {job['id']} waits for an agent with "
+                f"{want} GPU{'s' if want != 1 else ''} (see `gpuplane status`)")
+    largest = max(nodes, key=lambda n: len(n.get("gpus") or []))
+    have = len(largest.get("gpus") or [])
+    if have >= want:
+        return None
+    return (f"job {job['id']} needs {want} GPU{'s' if want != 1 else ''} on one node, and "
+            f"the largest node ({largest.get('name')}) has {have}; it waits until such a "
+            f"node connects. Cancel it (`gpuplane job cancel {job['id']}`) and submit with "
+            f"-g {have}" + (" or --cpu-only" if have == 0 else "") + ", or add a bigger node")
 
 
 def quote(part):

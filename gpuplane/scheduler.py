@@ -103,17 +103,22 @@ class Scheduler(Worker):
     @staticmethod
     def _why_waiting(job, all_nodes):
         if not all_nodes:
-            return "no agent has connected yet; start one with `gpuplane-agent --server URL --token T`"
+            return ("no agent has connected yet; start one with `gpuplane-agent --server URL` "
+                    "and its token in $GPUCTL_TOKEN (docs/deploy.md)")
         if job["cpu_only"]:
             if not any(n["state"] == "connected" for n in all_nodes):
                 return "no node is connected"
             return "waiting for a free CPU slot"
         largest = max(all_nodes, key=lambda n: len(n["gpus"]))
         if len(largest["gpus"]) < job["gpus"]:
-            return (f"needs {job['gpus']} GPUs on one node; the largest node "
+            return (f"needs {_gpus(job['gpus'])} on one node; the largest node "
                     f"({largest['name']}) has {len(largest['gpus'])}. Lower --gpus or add a "
                     "bigger node")
         if not any(n["state"] == "connected" and len(n["gpus"]) >= job["gpus"]
                    for n in all_nodes):
-            return f"no connected node has {job['gpus']} GPUs; waiting for one to come back"
-        return f"waiting for {job['gpus']} free GPU(s) on one node"
+            return f"no connected node has {_gpus(job['gpus'])}; waiting for one to come back"
+        return f"waiting for {_gpus(job['gpus'], 'free ')} on one node"
+
+
+def _gpus(n, adjective=""):
+    return f"{n} {adjective}GPU" + ("" if n == 1 else "s")

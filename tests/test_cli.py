@@ -193,6 +193,68 @@ def test_local_admin_token_never_goes_to_another_server(tmp_path, monkeypatch):
     assert client.resolve("http://127.0.0.1:9123/", home=tmp_path)[1] == "adm"
 
 
+@pytest.mark.parametrize("given,expected", [
+    ("127.0.0.1:8600", "http://127.0.0.1:8600"),
+    ("localhost:8600/", "http://localhost:8600"),
+    ("gpu-box", "http://gpu-box"),
+    ("https://h.example:443", "https://h.example:443"),
+    ("[::1]:8600", "http://[::1]:8600"),
+])
+def test_a_server_address_without_a_scheme_is_http(given, expected):
+    # Issue 9 item 7.
+    assert client.resolve(given, "t") == (expected, "t")
+
+
+@pytest.mark.parametrize("given,says", [
+    ("ftp://h:21", "has scheme 'ftp'"),
+    ("127.0.0.1:port", "is not a URL"),
+    ("http://:8600", "names no host"),
+])
+def test_a_bad_server_address_is_one_sentence_and_exit_2(given, says, capsys, monkeypatch):
+    monkeypatch.setenv("GPUCTL_TOKEN", "t")
+    assert cli.main(["--server", given, "status"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("error: server address") and says in err
+    assert "bug" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("local", ["http://localhost:9123", "http://127.0.0.1:9123",
+                                   "http://127.1.2.3:9123", "http://[::1]:9123",
+                                   "localhost:9123", "http://LOCALHOST:9123/"])
+def test_every_loopback_name_is_the_local_server(local, tmp_path):
+    # Issue 9 item 8: the admin token is found however the local server is named ...
+    write_server_toml(tmp_path, 'admin_token = "adm"\nhost = "127.0.0.1"\nport = 9123\n')
+    assert client.resolve(local, home=tmp_path)[1] == "adm"
+    # ... and never for another port or host.
+    assert client.resolve(local.replace("9123", "9124"), home=tmp_path)[1] is None
+    assert client.resolve("http://10.0.0.1:9123", home=tmp_path)[1] is None
+
+
+def test_no_token_found_is_said_once(tmp_path, capsys, monkeypatch):
+    # A server that wants a token: the CLI's sentence replaces the server's, not repeats it.
+    class NeedsToken(_Handler):
+        def do_GET(self):
+            body = json.dumps({"error": {"code": "Unauthorized",
+                                         "message": "no token: send a bearer token"}}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NeedsToken)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        code = cli.main(["--home", str(tmp_path), "--server",
+                         f"localhost:{srv.server_address[1]}", "status"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_ERROR
+    assert "send a bearer token" not in err
+    assert "none was found: set $GPUCTL_TOKEN" in err and len(err.splitlines()) == 1
+
+
 def test_show_admin_prints_the_token_of_the_home(tmp_path, capsys):
     cfg, created = config.ensure_server_config(tmp_path)
     assert created
@@ -402,8 +464,9 @@ def test_cancel_retry_and_logs_follow(stack, tmp_path):
     assert out_path.read_text() == "started\n"
     assert f"job {job_id} CANCELLED" in err
 
+    # Issue 9 item 10: cancelling a CANCELLED job is a success that says so.
     code, out, _ = run_cli(stack, "job", "cancel", str(job_id))
-    assert code == 0 and f"job {job_id} CANCELLED" in out
+    assert code == 0 and f"job {job_id} was already CANCELLED" in out
 
     code, out, _ = run_cli(stack, "job", "retry", str(job_id), "--json")
     assert code == 0 and json.loads(out)["state"] in ("QUEUED", "DISPATCHED", "RUNNING")
@@ -530,3 +593,84 @@ def test_metric_keys_are_quoted_whole_by_the_client(live_server, capsys, monkeyp
     shown = json.loads(capsys.readouterr().out)["metrics"]
     assert sorted(k["key"] for k in shown) == sorted(WEIRD_KEYS)
     assert all(len(k["sparkline"]) == 3 for k in shown)
+
+
+def _follower(stack, tmp_path, name, *argv):
+    """A `gpuplane` process in the background; its stderr goes to a file to poll."""
+    err_path = tmp_path / f"{name}.err"
+    with open(err_path, "wb") as err, open(tmp_path / f"{name}.out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuplane", "--server", stack["url"],
+                                 *argv], env=dict(_env(), GPUCTL_TOKEN=stack["token"]),
+                                stdout=out, stderr=err)
+    return proc, err_path
+
+
+def test_submit_warns_when_no_node_can_hold_the_job_and_followers_say_why_they_wait(
+        stack, tmp_path):
+    # Issue 9 item 2. The stack's node has 2 (fake) GPUs.
+    code, out, err = run_cli(stack, "job", "submit", "-g", "5", "--", "true")
+    assert code == 0
+    never = int(out)
+    assert f"warning: job {never} needs 5 GPUs on one node, and the largest node " \
+        f"({stack['node']}) has 2" in err
+    follower, follower_err = _follower(stack, tmp_path, "never", "logs", "-f", str(never))
+    try:
+        _wait("the follower to say why the job waits",
+              lambda: "needs 5 GPUs on one node" in follower_err.read_text())
+    finally:
+        run_cli(stack, "job", "cancel", str(never))
+    assert follower.wait(30) == cli.EXIT_CANCELLED
+
+    # A job that fits but waits for a busy node: the follower says why, then that it started.
+    code, out, err = run_cli(stack, "job", "submit", "-g", "2", "--",
+                             sys.executable, "-c", "import time; time.sleep(600)")
+    hog = int(out)
+    assert "warning" not in err
+    _wait("the first job running", lambda: stack["client"].get_job(hog)["state"] == "RUNNING")
+    follower, follower_err = _follower(stack, tmp_path, "second", "job", "submit", "-g", "1",
+                                       "-f", "--", sys.executable, "-c", "print('ran')")
+    try:
+        _wait("the second job's reason",
+              lambda: "is queued: waiting for 1 free GPU on one node" in follower_err.read_text())
+        run_cli(stack, "job", "cancel", str(hog))
+        assert follower.wait(60) == cli.EXIT_OK
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    text = follower_err.read_text()
+    assert re.search(r"job \d+ started on " + stack["node"], text), text
+    assert (tmp_path / "second.out").read_text().splitlines()[1:] == ["ran"]
+
+
+def test_why_a_job_failed_is_shown_wherever_a_human_looks(stack, tmp_path):
+    # Issue 9 item 3: a dispatch failure's message in job show, logs and logs -f.
+    missing = tmp_path / "no-such-dir"
+    code, out, err = run_cli(stack, "job", "submit", "--cpu-only", "-d", str(missing), "-f",
+                             "--", "true")
+    assert code == cli.EXIT_FAILED
+    assert "DISPATCH_FAILED" in err and "working dir does not exist" in err
+    job_id = int(out.splitlines()[0])
+    code, out, _ = run_cli(stack, "job", "show", str(job_id))
+    assert re.search(r"why\s+working dir does not exist on this host: " + re.escape(str(missing)),
+                     out), out
+    code, _, err = run_cli(stack, "logs", str(job_id))
+    assert code == 0 and "DISPATCH_FAILED" in err and "working dir does not exist" in err
+    code, _, err = run_cli(stack, "logs", "-f", str(job_id))
+    assert code == cli.EXIT_FAILED and "working dir does not exist" in err
+
+
+def test_run_show_accepts_a_job(stack, tmp_path):
+    # Issue 9 item 11: run ids are not job ids; `run show --job` and `job:ID` find the run.
+    c = stack["client"]
+    c.create_run(project="offset")           # so run ids and job ids differ
+    code, out, _ = run_cli(stack, "job", "submit", "--cpu-only", "-d", str(tmp_path), "-f",
+                           "--", sys.executable, "-c", "print(1)")
+    job_id = int(out.splitlines()[0])
+    run_id = c.get_job(job_id)["run_id"]
+    assert run_id != job_id
+    for argv in (["--job", str(job_id)], [f"job:{job_id}"]):
+        code, out, err = run_cli(stack, "run", "show", *argv, "--json")
+        assert code == 0, err
+        assert json.loads(out)["run"]["id"] == run_id
+    code, _, err = run_cli(stack, "run", "show")
+    assert code == cli.EXIT_USAGE and "--job ID" in err

@@ -113,10 +113,13 @@ def main(argv=None):
 
 
 def _report(exc, args):
-    from gpuplane.client import ApiError, ServerUnreachable
+    from gpuplane.client import ApiError, BadServerAddress, ServerUnreachable
     if isinstance(exc, CliError):
         print(f"error: {exc}", file=sys.stderr)
         return exc.code
+    if isinstance(exc, BadServerAddress):
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if isinstance(exc, ServerUnreachable):
         print(f"error: {exc}; is it running? Start one with `gpuplane server` (or "
               "`gpuplane up`), or point at another with --server URL / $GPUCTL_SERVER",
@@ -125,9 +128,10 @@ def _report(exc, args):
     if isinstance(exc, ApiError):
         message = exc.message
         if exc.status == 401 and not _has_token(args):
-            message += ("; no token was found: set $GPUCTL_TOKEN (make one with `gpuplane token "
-                        "create`), or run on the server's host, where the admin token is "
-                        "read from server.toml")
+            # Instead of the server's sentence: this side knows why none was sent.
+            message = ("the server wants a token and none was found: set $GPUCTL_TOKEN "
+                       "(an admin makes one with `gpuplane token create`), or run on the "
+                       "server's host, where the admin token is read from server.toml")
         print(f"error: {message}", file=sys.stderr)
         return EXIT_ERROR
     try:

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import sys
+import threading
 import time
 
 EXIT_OK = 0
@@ -273,9 +274,90 @@ def describe_end(job):
     return text
 
 
+class WaitNarrator:
+    """While a followed job has not started, say on stderr why it waits, again whenever
+    that changes, and once when it starts: a follower is never left silent."""
+
+    def __init__(self, client, job_id, interval=1.0):
+        self.client = client
+        self.job_id = job_id
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuplane-wait-narrator",
+                                        daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self):
+        from gpuplane.client import ApiError, Client, ServerUnreachable
+        # Its own client: a requests.Session is not shared between threads.
+        c = Client(self.client.server, self.client.token)
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = c.get_job(self.job_id)
+                except (ApiError, ServerUnreachable):
+                    job = None
+                if job is not None:
+                    self._say(job)
+                    if job["state"] not in ("QUEUED", "DISPATCHED"):
+                        return
+                self._stop.wait(self.interval)
+        finally:
+            c.close()
+
+    said = None
+    _lock = threading.Lock()
+
+    def _say(self, job):
+        with self._lock:
+            text = self.describe(job, self.said)
+            if text and text != self.said and not self.said_started():
+                note(text)
+                self.said = text
+
+    def said_started(self):
+        return bool(self.said) and " started on " in self.said
+
+    def finish(self, job):
+        """The follow ended: if a wait was explained, close it with the start."""
+        self._stop.set()
+        self._thread.join(2)
+        if job is not None and self.said:
+            self._say(job)
+
+    def describe(self, job, said):
+        jid = job["id"]
+        if job["state"] == "QUEUED":
+            return f"job {jid} is queued: {job.get('pending_reason') or 'waiting for a slot'}"
+        if job["state"] == "DISPATCHED":
+            return f"job {jid} dispatched to {job.get('node')}; waiting for it to start"
+        if said is None:
+            return None     # it was never waiting: nothing to explain
+        # RUNNING, or already ended between two looks: either way it started.
+        gpus = gpu_list(job.get("gpu_indices"))
+        if not job.get("node"):
+            return None
+        return f"job {jid} started on {job.get('node')}" + (f" (GPUs {gpus})" if gpus else "")
+
+
 def follow_job(client, job_id, tail=None, out=None, colour=False):
-    """Print the job's log lines until it ends; return its final job object."""
+    """Print the job's log lines until it ends; return its final job object. Until the
+    job starts, why it waits is said on stderr."""
     out = out or sys.stdout
+    with WaitNarrator(client, job_id) as narrator:
+        final = _follow(client, job_id, tail, out, colour)
+        narrator.finish(final)
+    return final
+
+
+def _follow(client, job_id, tail, out, colour):
     attempt = None
     try:
         for line in client.stream_logs(job_id, tail=tail):

@@ -129,10 +129,9 @@ def cmd_job_submit(args):
         print_json(job)
     else:
         print(job["id"], flush=True)
-    if job.get("warning"):
-        note(f"warning: {job['warning']}")
-    elif job.get("pending_reason"):
-        note(f"job {job['id']} is waiting: {job['pending_reason']}")
+    warning = job.get("warning") or _placement_warning(client, job)
+    if warning:
+        note(f"warning: {warning}")
     if not args.follow:
         return EXIT_OK
     note(f"following job {job['id']} (Ctrl-C stops following; the job keeps running)")
@@ -141,6 +140,14 @@ def cmd_job_submit(args):
         print_json(final)
     note(describe_end(final))
     return outcome_code(final["state"])
+
+
+def _placement_warning(client, job):
+    from gpuplane.client import ApiError
+    try:
+        return client.placement_warning(job)
+    except ApiError:
+        return None     # a token that may submit but not look: no warning, no failure
 
 
 def cmd_job_list(args):
@@ -220,9 +227,13 @@ def _when(ms):
 
 
 def cmd_job_cancel(args):
-    job = make_client(args).cancel_job(args.job_id)
+    client = make_client(args)
+    before = client.get_job(args.job_id)["state"]
+    job = client.cancel_job(args.job_id)
     if args.json:
         print_json(job)
+    elif before == "CANCELLED":
+        print(f"job {job['id']} was already CANCELLED; nothing to do")
     elif job["state"] == "CANCELLED":
         print(f"job {job['id']} CANCELLED")
     else:
@@ -263,5 +274,10 @@ def cmd_logs(args):
         attempt = line.get("attempt")
         print(clean_line(line.get("text", ""), args.colour))
     if not answer.get("lines"):
-        note(f"no log lines yet (job is {answer.get('job_state')})")
+        state = answer.get("job_state")
+        if state in FINAL_STATES:
+            note(f"no log lines: {describe_end(client.get_job(args.job_id))}")
+        else:
+            note(f"no log lines yet (job is {state}; `gpuplane logs -f {args.job_id}` "
+                 "waits for them)")
     return EXIT_OK

@@ -3,9 +3,10 @@
 `run show` prints per metric the latest and best value, the trend and a small sparkline of
 the whole run (a max_points=20 series, the mean of each bucket).
 """
+import json
 import math
 
-from .common import (EXIT_OK, ago, clock, duration, id_type, job_id_type, make_client, note,
+from .common import (EXIT_OK, EXIT_USAGE, CliError, ago, clock, duration, id_type, job_id_type, make_client, note,
                      parents, positive_int, print_json, print_table)
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -13,6 +14,28 @@ SPARK_WIDTH = 20
 
 
 run_id_type = id_type("run", "gpuplane run list")
+
+
+def run_ref(text):
+    """A run id, or job:ID (the latest run of that job)."""
+    if text.lower().startswith("job:"):
+        return ("job", job_id_type(text[4:]))
+    return ("run", run_id_type(text))
+
+
+def _resolve_run(client, args):
+    if (args.run_id is None) == (args.for_job is None):
+        raise CliError("give a run id, or --job ID for a job's run (e.g. `gpuplane run show "
+                       "--job 2`)", EXIT_USAGE)
+    kind, number = args.run_id if args.run_id is not None else ("job", args.for_job)
+    if kind == "run":
+        return client.get_run(number)
+    runs = client.list_runs(job_id=number, limit=1)
+    if not runs:
+        job = client.get_job(number)
+        raise CliError(f"job {number} has no run yet (it is {job['state']}; a run starts "
+                       f"with each attempt); `gpuplane job show {number}` says more")
+    return client.get_run(runs[0]["id"])
 
 
 def add_parser(subparsers):
@@ -32,8 +55,13 @@ def add_parser(subparsers):
 
     p = sub.add_parser("show", help="show a run: per metric latest, best, trend, sparkline",
                        description="show a run: per metric latest, best, trend and a "
-                       "sparkline of the whole run", parents=[conn, js])
-    p.add_argument("run_id", type=run_id_type, metavar="ID")
+                       "sparkline of the whole run. Run ids are not job ids: for a job's "
+                       "run give --job ID (or job:ID), which shows its latest attempt's run.",
+                       parents=[conn, js])
+    p.add_argument("run_id", type=run_ref, metavar="ID", nargs="?",
+                   help="a run id, or job:ID for a job's latest run")
+    p.add_argument("--job", type=job_id_type, metavar="ID", dest="for_job",
+                   help="the run of this job's latest attempt")
     p.set_defaults(func=cmd_run_show)
 
 
@@ -67,10 +95,10 @@ def _filters(args):
 
 def cmd_run_show(args):
     client = make_client(args)
-    run = client.get_run(args.run_id)
-    keys = client.run_metrics(args.run_id)
+    run = _resolve_run(client, args)
+    keys = client.run_metrics(run["id"])
     for k in keys:
-        series = client.metric_series(args.run_id, k["key"], max_points=SPARK_WIDTH)
+        series = client.metric_series(run["id"], k["key"], max_points=SPARK_WIDTH)
         k["sparkline"] = sparkline(series["points"])
     if args.json:
         print_json({"run": run, "metrics": keys})
@@ -85,6 +113,11 @@ def cmd_run_show(args):
              ("ran", duration(run.get("started_at"), run.get("ended_at"))),
              ("exit", run.get("exit_code")), ("failure", run.get("failure_kind"))]
     print("  " + "   ".join(f"{k}: {v}" for k, v in facts if v is not None))
+    config = run.get("config") or {}
+    if config:
+        text = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                        for k, v in config.items())
+        print(f"  config: {text if len(text) <= 300 else text[:297] + '...'}")
     if not keys:
         print("no metrics yet")
         return EXIT_OK
