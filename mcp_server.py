@@ -13,6 +13,8 @@ and wait_for_job. Errors are tool errors with a sentence that names the fix; a r
 token gets `WriteScopeError` from every control tool.
 """
 import argparse
+import functools
+import inspect
 import os
 import sys
 import threading
@@ -100,7 +102,8 @@ class MetricSeriesOut(Out):
     run_id: int
     key: str
     level: int | None = Field(description="bucket width in steps (1 = raw points)")
-    points: list[list[Any]] = Field(description="[[step, min, max, mean, last, count], ...]")
+    points: list[list[float | int | str | None]] = Field(
+        description="[[step, min, max, mean, last, count], ...]")
 
 
 class CheckpointsOut(Out):
@@ -475,15 +478,14 @@ def build_server(gp):
     server = MCPServer("gpuplane", instructions=INSTRUCTIONS)
 
     def tool(fn):
-        import functools
-
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             try:
                 return fn(*a, **kw)
             except ToolFailure as e:
                 raise ToolError(str(e)) from None
-        return server.tool()(wrapper)
+        description = " ".join(inspect.cleandoc(fn.__doc__).split())
+        return server.tool(description=description)(wrapper)
 
     # observe ---------------------------------------------------------------------------------
 

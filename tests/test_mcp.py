@@ -24,12 +24,19 @@ def mcp_env(server_url, token, home):
             "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
 
 
-def session(env, body):
-    """Start gpuplane-mcp over stdio with `env`, run `await body(call, client)`."""
+def session(env, body, in_process=False):
+    """Start gpuplane-mcp over stdio with `env`, run `await body(call, client)`.
+    in_process: the same server object, connected in memory (no process to start)."""
     from mcp import Client, StdioServerParameters
 
-    params = StdioServerParameters(command=sys.executable,
-                                   args=[str(ROOT / "mcp_server.py")], env=env, cwd=str(ROOT))
+    if in_process:
+        import mcp_server
+        params = mcp_server.build_server(mcp_server.Gpuplane(env["GPUCTL_SERVER"],
+                                                             env["GPUCTL_TOKEN"]))
+    else:
+        params = StdioServerParameters(command=sys.executable,
+                                       args=[str(ROOT / "mcp_server.py")], env=env,
+                                       cwd=str(ROOT))
 
     async def main():
         async with Client(params) as client:
@@ -95,7 +102,8 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             msg = err(await call(tool, **args[tool]))
             assert msg.startswith("WriteScopeError"), (tool, msg)
         assert ok(await call("get_job", job_id=job["id"]))["state"] == "QUEUED"
-    session(mcp_env(live_server.url, read, tmp_path), as_reader)
+    # In process: the stdio transport is the other tests' business; this one is scopes.
+    session(mcp_env(live_server.url, read, tmp_path), as_reader, in_process=True)
 
     async def as_writer(call, client):
         assert ok(await call("whoami"))["can_write"] is True
@@ -107,12 +115,12 @@ def test_bad_token_and_scopes(live_server, tmp_path):
         for tool in ("evaluate_checkpoint", "set_primary_metric"):
             is_error, data = await call(tool, **args[tool])
             assert not (is_error and "WriteScopeError" in data), (tool, data)
-    session(mcp_env(live_server.url, write, tmp_path), as_writer)
+    session(mcp_env(live_server.url, write, tmp_path), as_writer, in_process=True)
 
     async def bad_token(call, client):
         assert err(await call("list_jobs")).startswith("Unauthorized")
         assert err(await call("submit_job", **args["submit_job"])).startswith("Unauthorized")
-    session(mcp_env(live_server.url, "not-a-token", tmp_path), bad_token)
+    session(mcp_env(live_server.url, "not-a-token", tmp_path), bad_token, in_process=True)
 
 
 def test_acceptance_loop(live_server, agent, tmp_path):
@@ -189,3 +197,64 @@ def test_acceptance_loop(live_server, agent, tmp_path):
         assert e["kind"] == "MISSING_MODULE", e
         assert any("nosuchmod" in ln["text"] for ln in e["lines"])
     session(mcp_env(live_server.url, write, tmp_path), body)
+
+
+INSPECTOR_VERSION = "2.12.0"
+
+
+def inspector():
+    """mcp-inspector from a per-user cache, installed there by npm on first use."""
+    import os
+    import shutil
+    import subprocess
+    if not shutil.which("node") or not shutil.which("npm"):
+        pytest.skip("node/npm are not installed: the MCP Inspector test needs them")
+    cache = pathlib.Path(os.environ.get("GPUPLANE_TEST_CACHE",
+                                        pathlib.Path.home() / ".cache" / "gpuplane"))
+    home = cache / f"inspector-{INSPECTOR_VERSION}"
+    exe = home / "node_modules" / ".bin" / "mcp-inspector"
+    if not exe.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        try:
+            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error",
+                                f"@modelcontextprotocol/inspector@{INSPECTOR_VERSION}"],
+                               cwd=home, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip("npm install of the MCP Inspector took over 300 s")
+        if r.returncode or not exe.exists():
+            pytest.skip(f"npm could not install the MCP Inspector: {r.stderr.strip()[-300:]}")
+    return exe
+
+
+def test_mcp_inspector_cli(live_server, tmp_path):
+    import subprocess
+    exe = inspector()
+    api = live_server.api
+    run = api.post("/api/v1/runs", {"project": "p", "name": "r"}, expect=201)
+    from gpuplane.db import now_ms
+    api.post(f"/api/v1/runs/{run['id']}/metrics",
+             {"keys": ["train/loss"], "points": [[0, i, 2.0 - 0.03 * i, now_ms()]
+                                                 for i in range(40)]}, expect=200)
+    base = [str(exe), "--cli", "--connect-timeout", "90000", "-e", f"GPUCTL_SERVER={live_server.url}",
+            "-e", f"GPUCTL_TOKEN={live_server.token}", "-e", f"GPUCTL_HOME={tmp_path}",
+            sys.executable, str(ROOT / "mcp_server.py")]
+
+    calls = {"list": ["--method", "tools/list"],
+             "observe": ["--method", "tools/call", "--tool-name", "get_status"],
+             "semantic": ["--method", "tools/call", "--tool-name", "diagnose_run",
+                          "--tool-arg", f"run_id={run['id']}"]}
+    # Three clients at once: each spends most of its time starting node and python.
+    procs = {k: subprocess.Popen([*base, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=ROOT) for k, a in calls.items()}
+    out = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
+        out[k] = json.loads(stdout)
+    tools = out["list"]["tools"]
+    assert len(tools) == 22 and all(t.get("outputSchema") for t in tools)
+    status = out["observe"]
+    assert status["isError"] is False and "GPUs free" in status["structuredContent"]["summary"]
+    d = out["semantic"]
+    assert d["isError"] is False
+    assert d["structuredContent"]["verdict"] == "healthy", d
