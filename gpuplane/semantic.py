@@ -1,9 +1,25 @@
-"""Judgements about runs and metrics: plain functions of plain data, no SQL, no I/O.
+"""The semantic layer: judgements about runs, metrics, checkpoints and failures. Rules and
+statistics, no LLM, no SQL, no I/O: plain functions of plain data, so each can be tested on a
+constructed run whose right answer is known. Loading the data is gpuplane/db/semantic.py;
+REST (api/semantic.py), the CLI and the MCP server only expose the results.
 
-Today: which way a metric should go (`direction`) and where it is going (`trend`). The
-analysis functions (diagnose_run, compare_runs, ...) grow here.
+`direction` says which way a metric should go and `trend` where it is going; then
+diagnose_run, compare_runs, compare_checkpoints, get_best_checkpoint, explain_failure.
+Every one of those results carries `next_actions`: concrete MCP tool calls with their
+arguments ({"tool", "arguments", "why"}), so an agent knows what to do next without polling.
+
+Shapes the functions take:
+  key data   {"key", "direction": "min"|"max", "points": [[step, value], ...] (a bounded,
+              downsampled series: the bucket means), "count", "latest": {"step", "value",
+              "ts"}, "best": {"step", "value"}}; values may be None, NaN or the wire
+              strings "NaN" / "Infinity" / "-Infinity".
+  run        the REST run object (id, job_id, state, config, started_at, ...).
+  checkpoint {"id", "run_id", "step", "path", "training": {key: value},
+              "evaluation": {key: value} or None}
 """
 import math
+import re
+import statistics
 
 _MIN_WORDS = {"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer",
               "time", "nll", "latency"}
@@ -45,3 +61,763 @@ def trend(series_points, d):
         return "flat"
     better = a < b if d == "min" else a > b
     return "improving" if better else "worsening"
+
+
+# diagnose_run thresholds (docs/mcp.md explains each).
+MIN_POINTS = 10              # fewer points in the judged curve: too early to tell
+RECENT = 0.2                 # the recent window: the last 20% of the curve
+PLATEAU_WINDOW = 0.3         # plateaued: the last 30% gained less than ...
+PLATEAU_SHARE = 0.02         # ... 2% of the improvement so far (and no more than noise)
+WORSEN_SHARE = 0.25          # worsened: recent median lost 25% of the improvement ...
+NOISE_SIGMAS = 3.0           # ... and more than 3 noise widths
+STALL_MIN_S = 300            # stalled: no point for 5 min and ...
+STALL_INTERVALS = 10         # ... 10 times the run's usual interval between points
+SIGNIFICANT_SIGMAS = 2.0     # compare_runs: a difference beyond 2 combined noise widths
+
+VERDICTS = ("healthy", "diverging", "plateaued", "overfitting", "stalled", "failed",
+            "too early to tell")
+
+_EVAL_WORDS = ("val", "valid", "validation", "eval", "test", "dev", "holdout")
+_TRAIN_WORDS = ("train", "training")
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+def num(v):
+    """A stored or wire value as a float (NaN for None and the string 'NaN')."""
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+        return special[v] if v in special else _float(v)
+    return float(v)
+
+
+def _float(s):
+    try:
+        return float(s)
+    except ValueError:
+        return math.nan
+
+
+def wire(v):
+    """A float for JSON: non-finite values as the wire strings."""
+    if v is None:
+        return None
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "Infinity" if v > 0 else "-Infinity"
+    return v
+
+
+def action(tool, why, **arguments):
+    return {"tool": tool, "arguments": arguments, "why": why}
+
+
+def _words(key):
+    return "".join(c if c.isalnum() else " " for c in key.lower()).split()
+
+
+def is_eval_key(key):
+    return any(w in _EVAL_WORDS for w in _words(key))
+
+
+def is_train_key(key):
+    return any(w in _TRAIN_WORDS for w in _words(key))
+
+
+def _is_loss_like(key):
+    return any(w in ("loss", "nll", "perplexity", "ppl") for w in _words(key))
+
+
+def _is_system(key):
+    return key.startswith(("sys/", "system/", "gpu/", "host/"))
+
+
+def _finite_points(points):
+    out = []
+    for p in points:
+        v = num(p[1])
+        if math.isfinite(v):
+            out.append((p[0], v))
+    return out
+
+
+def _badness(values, direction):
+    """Values turned so that lower is better whatever the direction."""
+    return [v if direction == "min" else -v for v in values]
+
+
+def noise(values):
+    """A robust width of the curve's step-to-step jitter: MAD of first differences,
+    scaled to a standard deviation of one value (1.4826 / sqrt 2)."""
+    if len(values) < 3:
+        return 0.0
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    med = statistics.median(diffs)
+    mad = statistics.median(abs(d - med) for d in diffs)
+    return mad * 1.4826 / math.sqrt(2)
+
+
+def _window(values, share, tail=True):
+    k = max(2, round(len(values) * share))
+    return values[-k:] if tail else values[:k]
+
+
+def curve_facts(points, direction):
+    """What the rules read off one curve (None when it has no finite points)."""
+    pts = _finite_points(points)
+    if not pts:
+        return None
+    steps = [s for s, _ in pts]
+    b = _badness([v for _, v in pts], direction)
+    n = len(b)
+    start = statistics.median(_window(b, 0.1, tail=False))
+    recent = statistics.median(_window(b, RECENT))
+    # Best on a lightly smoothed curve, so one lucky point does not make a trough.
+    k = max(1, n // 20)
+    smooth = [statistics.median(b[max(0, i - k):i + k + 1]) for i in range(n)]
+    i_best = min(range(n), key=smooth.__getitem__)
+    best = smooth[i_best]
+    w = max(2, round(n * PLATEAU_WINDOW))
+    before_window = statistics.median(b[-w:][:max(1, w // 3)])
+    sign = 1 if direction == "min" else -1
+    return {
+        "points": n,
+        "first_step": steps[0],
+        "last_step": steps[-1],
+        "start": sign * start,
+        "recent": sign * recent,
+        "best": sign * best,
+        "best_step": steps[i_best],
+        "best_at": i_best / max(1, n - 1),        # 0 = first point, 1 = last
+        "improvement": start - best,               # >= 0, in the direction's sense
+        "worsening": recent - best,                # >= 0: how far the recent window fell back
+        "late_gain": before_window - recent,       # gain over the last 30%
+        "noise": noise(b[-max(3, round(n * RECENT * 2)):]),
+    }
+
+
+def _worsened(f):
+    return (f["worsening"] > NOISE_SIGMAS * f["noise"]
+            and f["worsening"] > WORSEN_SHARE * f["improvement"]
+            and f["best_at"] < 0.85)
+
+
+def _plateaued(f):
+    return (f["late_gain"] <= max(PLATEAU_SHARE * f["improvement"], f["noise"])
+            and f["worsening"] <= NOISE_SIGMAS * f["noise"] + PLATEAU_SHARE * f["improvement"])
+
+
+def pick_primary(keys, primary=None):
+    """The key that decides: the declared primary metric, else an eval loss-like key,
+    else any eval key, else a train loss, else the first non-system key."""
+    names = [k["key"] for k in keys]
+    if primary and primary in names:
+        return primary
+    cands = [n for n in names if not _is_system(n)]
+    for test in (lambda n: is_eval_key(n) and _is_loss_like(n), is_eval_key,
+                 _is_loss_like, lambda n: True):
+        hit = [n for n in cands if test(n)]
+        if hit:
+            return sorted(hit)[0]
+    return None
+
+
+def _train_key(keys):
+    names = [k["key"] for k in keys if not _is_system(k["key"])]
+    for test in (lambda n: is_train_key(n) and _is_loss_like(n),
+                 lambda n: _is_loss_like(n) and not is_eval_key(n), is_train_key):
+        hit = [n for n in names if test(n)]
+        if hit:
+            return sorted(hit)[0]
+    return None
+
+
+def _counterpart(eval_key, names):
+    """train/loss for val/loss: the same words once the eval word is dropped."""
+    rest = [w for w in _words(eval_key) if w not in _EVAL_WORDS]
+    for n in names:
+        if n != eval_key and not is_eval_key(n) and \
+                [w for w in _words(n) if w not in _TRAIN_WORDS] == rest:
+            return n
+    return None
+
+
+# -- diagnose_run ----------------------------------------------------------------------------
+
+def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
+    """A verdict on one run: healthy, diverging, plateaued, overfitting, stalled, failed or
+    too early to tell, with the evidence and what to do next."""
+    run_id, job_id = run.get("id"), run.get("job_id")
+    state = run.get("state")
+    by_key = {k["key"]: k for k in keys}
+    main = pick_primary(keys, primary)
+    train = _train_key(keys)
+    evidence = []
+    facts = {}
+    for name in {main, train} - {None}:
+        facts[name] = curve_facts(by_key[name].get("points") or [], by_key[name]["direction"])
+
+    def result(verdict, summary, actions):
+        return {"run_id": run_id, "job_id": job_id, "state": state, "verdict": verdict,
+                "summary": summary, "primary_key": main, "evidence": evidence,
+                "curves": {k: _wire_facts(f) for k, f in facts.items() if f},
+                "next_actions": actions}
+
+    bad_events = [e for e in events if e.get("severity") in ("warning", "critical")]
+    for e in bad_events[-5:]:
+        evidence.append(f"event {e.get('type')}: {e.get('message') or ''}".strip())
+
+    if state == "FAILED":
+        evidence.insert(0, f"the run ended FAILED (failure kind {run.get('failure_kind')}, "
+                           f"exit code {run.get('exit_code')})")
+        acts = []
+        if job_id:
+            acts.append(action("explain_failure", "find the cause in the job's log",
+                               job_id=job_id))
+            acts.append(action("get_job_logs", "read the last lines yourself",
+                               job_id=job_id, tail=100))
+        return result("failed", f"run {run_id} failed", acts)
+
+    # Non-finite values in a loss-like or the primary metric: diverging at once.
+    for k in keys:
+        name = k["key"]
+        if _is_system(name) or not (_is_loss_like(name) or name == main):
+            continue
+        latest = (k.get("latest") or {}).get("value")
+        if latest is not None and not math.isfinite(num(latest)):
+            evidence.insert(0, f"{name} is {wire(num(latest))} at step "
+                               f"{(k.get('latest') or {}).get('step')}")
+            return result("diverging", f"{name} became {wire(num(latest))}: training blew up",
+                          _fix_actions(run, job_id, "lower the learning rate, add gradient "
+                                       "clipping, check the data for NaNs"))
+
+    if state == "RUNNING" and now_ms is not None:
+        stall = _stall(run, keys, now_ms)
+        if stall:
+            evidence.insert(0, stall)
+            acts = [action("get_job_logs", "see whether the process still prints anything",
+                           job_id=job_id, tail=50)] if job_id else []
+            if job_id:
+                acts.append(action("cancel_job", "if it is hung (a dataloader or NCCL "
+                                   "deadlock), cancel and retry", job_id=job_id))
+            return result("stalled", f"run {run_id} stopped reporting metrics", acts)
+
+    def enough(name):
+        return bool(name and facts.get(name) and facts[name]["points"] >= MIN_POINTS)
+
+    if not enough(main) and enough(train) and primary is None:
+        # An eval metric logged once per epoch is often too short to judge; the train
+        # curve is not, and it still tells divergence and plateaus.
+        have = facts[main]["points"] if main and facts.get(main) else 0
+        evidence.append(f"{main} has only {have} points; judged {train} instead")
+        main = train
+    if not enough(main):
+        have = facts[main]["points"] if main and facts.get(main) else 0
+        evidence.insert(0, f"{main or 'no metric'} has {have} points; "
+                           f"{MIN_POINTS} are needed to judge a curve")
+        acts = []
+        if job_id and state not in FINAL_STATES:
+            acts.append(action("wait_for_job", "wait for more of the run before judging",
+                               job_id=job_id, timeout_s=120))
+        acts.append(action("diagnose_run", "diagnose again once more points are in",
+                           run_id=run_id))
+        return result("too early to tell", f"run {run_id} has too little data to judge", acts)
+
+    f = facts[main]
+    d = by_key[main]["direction"]
+    ft = facts.get(train) if train and train != main else None
+    if main == train or ft is None or not is_eval_key(main):
+        # One curve to judge (or the primary is not an eval metric): a worsening curve
+        # is divergence.
+        if _worsened(f):
+            evidence.insert(0, _worse_text(main, f, d))
+            return result("diverging", f"{main} got worse after step {f['best_step']}",
+                          _fix_actions(run, job_id, "lower the learning rate or resume "
+                                       f"from the checkpoint near step {f['best_step']}"))
+    else:
+        if ft and _worsened(ft):
+            evidence.insert(0, _worse_text(train, ft, by_key[train]["direction"]))
+            return result("diverging", f"{train} got worse after step {ft['best_step']}",
+                          _fix_actions(run, job_id, "lower the learning rate or resume "
+                                       f"from the checkpoint near step {ft['best_step']}"))
+        if _worsened(f):
+            evidence.insert(0, _worse_text(main, f, d))
+            if ft:
+                evidence.insert(1, f"while {train} kept improving (best {_fmt(ft['best'])} "
+                                   f"at step {ft['best_step']}, now {_fmt(ft['recent'])})")
+            acts = [action("list_checkpoints", "pick the checkpoint near the best "
+                           f"{main} (step {f['best_step']})", run_id=run_id),
+                    action("get_best_checkpoint", "let the platform pick it by the "
+                           "primary metric", run_id=run_id)]
+            if job_id and state not in FINAL_STATES:
+                acts.append(action("cancel_job", "further training only overfits",
+                                   job_id=job_id))
+            acts.append(action("submit_job", "retrain with more regularisation (weight "
+                               "decay, dropout, augmentation) or early stopping",
+                               command="<the same command with more regularisation>",
+                               working_dir="<the job's working dir>"))
+            return result("overfitting", f"{main} is worse than at step {f['best_step']} "
+                          f"while {train} still improves", acts)
+
+    if _plateaued(f) and (state not in FINAL_STATES or f["improvement"] <= f["noise"]):
+        evidence.insert(0, f"{main} changed by {_fmt(f['late_gain'])} over the last "
+                           f"{int(PLATEAU_WINDOW * 100)}% of the run (noise "
+                           f"{_fmt(f['noise'])}, total improvement {_fmt(f['improvement'])})")
+        acts = []
+        if job_id and state not in FINAL_STATES:
+            acts.append(action("cancel_job", "the curve no longer moves; stop to free "
+                               "the GPU", job_id=job_id))
+        acts.append(action("get_best_checkpoint", "take the best checkpoint so far",
+                           run_id=run_id))
+        acts.append(action("submit_job", "try a higher learning rate or a schedule "
+                           "with decay, or a larger model",
+                           command="<the same command with new settings>",
+                           working_dir="<the job's working dir>"))
+        return result("plateaued", f"{main} has stopped improving", acts)
+
+    evidence.insert(0, f"{main}: {_fmt(f['start'])} at first, best {_fmt(f['best'])} at "
+                       f"step {f['best_step']}, recently {_fmt(f['recent'])} "
+                       f"(noise {_fmt(f['noise'])})")
+    if state in FINAL_STATES and _plateaued(f):
+        evidence.append(f"{main} converged: the last {int(PLATEAU_WINDOW * 100)}% of the "
+                        "run gained little")
+    acts = []
+    if job_id and state not in FINAL_STATES:
+        acts.append(action("wait_for_job", "keep watching until it ends or an event "
+                           "arrives", job_id=job_id, timeout_s=600))
+    else:
+        acts.append(action("list_checkpoints", "see what the run saved", run_id=run_id))
+        acts.append(action("get_best_checkpoint", "pick the checkpoint to keep",
+                           run_id=run_id))
+    return result("healthy", f"run {run_id} is learning as expected" if state not in
+                  FINAL_STATES else f"run {run_id} trained as expected", acts)
+
+
+def _stall(run, keys, now_ms):
+    last_ts, count = None, 0
+    for k in keys:
+        ts = (k.get("latest") or {}).get("ts")
+        if ts is not None and not _is_system(k["key"]):
+            last_ts = ts if last_ts is None else max(last_ts, ts)
+            count = max(count, k.get("count") or 0)
+    started = run.get("started_at") or run.get("created_at")
+    if started is None:
+        return None
+    if last_ts is None:
+        idle_s = (now_ms - started) / 1000
+        return (f"no metric point in the {idle_s:.0f} s since the run started"
+                if idle_s > 2 * STALL_MIN_S else None)
+    interval_s = (last_ts - started) / 1000 / max(1, count - 1)
+    idle_s = (now_ms - last_ts) / 1000
+    limit = max(STALL_MIN_S, STALL_INTERVALS * interval_s)
+    if idle_s > limit:
+        return (f"no metric point for {idle_s:.0f} s; the run usually reports every "
+                f"{interval_s:.1f} s (limit {limit:.0f} s)")
+    return None
+
+
+def _fix_actions(run, job_id, advice):
+    acts = []
+    if job_id and run.get("state") not in FINAL_STATES:
+        acts.append(action("cancel_job", "stop wasting the GPU on a run that diverged",
+                           job_id=job_id))
+    acts.append(action("list_checkpoints", "find the last good checkpoint",
+                       run_id=run.get("id")))
+    acts.append(action("submit_job", advice, command="<the same command with the fix>",
+                       working_dir="<the job's working dir>"))
+    return acts
+
+
+def _worse_text(name, f, direction):
+    return (f"{name}: best {_fmt(f['best'])} at step {f['best_step']}, recently "
+            f"{_fmt(f['recent'])} ({'higher' if direction == 'min' else 'lower'} by "
+            f"{_fmt(f['worsening'])}; noise {_fmt(f['noise'])})")
+
+
+def _fmt(v):
+    if v is None or not math.isfinite(v):
+        return str(wire(v))
+    return f"{v:.4g}"
+
+
+def _wire_facts(f):
+    return {k: wire(v) if isinstance(v, float) else v for k, v in f.items()}
+
+
+# -- compare_runs ----------------------------------------------------------------------------
+
+def compare_runs(runs, keys=None, primary=None):
+    """Runs side by side: per metric best / final / step of best for each run, the winner
+    by the metric's direction, whether the gap exceeds the runs' own noise; and the config
+    keys that differ. `runs`: [{"run": run, "keys": [key data]}]."""
+    if len(runs) < 2:
+        raise ValueError("compare at least two runs")
+    ids = [r["run"]["id"] for r in runs]
+    names = {}
+    for r in runs:
+        for k in r["keys"]:
+            if not _is_system(k["key"]):
+                names.setdefault(k["key"], k["direction"])
+    wanted = [k for k in names if keys is None or k in keys]
+    if keys:
+        unknown = [k for k in keys if k not in names]
+        if unknown:
+            raise ValueError(f"no run has the metric(s) {', '.join(unknown)}; "
+                             f"they have: {', '.join(sorted(names)) or 'none'}")
+    metrics_out = []
+    for name in sorted(wanted):
+        d = names[name]
+        per_run = []
+        for r in runs:
+            k = next((x for x in r["keys"] if x["key"] == name), None)
+            if k is None:
+                continue
+            f = curve_facts(k.get("points") or [], d)
+            best = k.get("best") or {}
+            latest = k.get("latest") or {}
+            per_run.append({
+                "run_id": r["run"]["id"],
+                "best": wire(num(best.get("value"))) if best else (f and f["best"]),
+                "best_step": best.get("step") if best else (f and f["best_step"]),
+                "final": wire(num(latest.get("value"))) if latest else None,
+                "final_step": latest.get("step"),
+                "noise": f["noise"] if f else None,
+                "points": k.get("count") or (f and f["points"]) or 0,
+            })
+        metrics_out.append(_judge_metric(name, d, per_run))
+    primary_key = pick_primary([{"key": k} for k in names], primary)
+    top = next((m for m in metrics_out if m["key"] == primary_key), None)
+    diff = config_diff([r["run"] for r in runs])
+    acts = []
+    if top and top["winner"] is not None:
+        acts.append(action("get_best_checkpoint", f"the best checkpoint of the winning "
+                           f"run by {primary_key}", run_id=top["winner"]))
+        acts.append(action("diagnose_run", "check the winner's curve is healthy",
+                           run_id=top["winner"]))
+        if not top["significant"]:
+            acts.append(action("submit_job", "the gap is within noise: repeat the runs "
+                               "with other seeds before trusting it",
+                               command="<the command with --seed N>",
+                               working_dir="<the job's working dir>"))
+    return {"run_ids": ids, "primary_key": primary_key,
+            "winner": top["winner"] if top else None,
+            "significant": top["significant"] if top else False,
+            "summary": _compare_summary(top, diff),
+            "metrics": metrics_out, "config_diff": diff, "next_actions": acts}
+
+
+def _judge_metric(name, d, per_run):
+    ranked = [p for p in per_run if p["best"] is not None and math.isfinite(num(p["best"]))]
+    ranked.sort(key=lambda p: num(p["best"]) if d == "min" else -num(p["best"]))
+    out = {"key": name, "direction": d, "runs": per_run, "winner": None, "runner_up": None,
+           "margin": None, "noise": None, "significant": False}
+    if not ranked:
+        return out
+    out["winner"] = ranked[0]["run_id"]
+    if len(ranked) > 1:
+        a, b = ranked[0], ranked[1]
+        out["runner_up"] = b["run_id"]
+        out["margin"] = abs(num(a["best"]) - num(b["best"]))
+        nz = math.sqrt((a["noise"] or 0) ** 2 + (b["noise"] or 0) ** 2)
+        out["noise"] = nz
+        out["significant"] = out["margin"] > SIGNIFICANT_SIGMAS * nz
+    return out
+
+
+def _compare_summary(top, diff):
+    if top is None:
+        return "the runs share no metric to compare"
+    if top["winner"] is None:
+        return f"no run has a finite {top['key']}"
+    if top["runner_up"] is None:
+        return f"only run {top['winner']} has {top['key']}"
+    s = (f"run {top['winner']} wins on {top['key']} by {_fmt(top['margin'])} over run "
+         f"{top['runner_up']}; " + ("larger than the runs' noise" if top["significant"]
+                                    else f"within the runs' noise ({_fmt(top['noise'])})"))
+    if diff:
+        s += f"; settings that differ: {', '.join(sorted(diff))}"
+    return s
+
+
+def config_diff(runs):
+    """{config key: {run_id: value}} for the keys whose values differ between the runs.
+    A job's command line counts as config: `--lr 0.01` is the key `lr`."""
+    configs = {r["id"]: settings(r.get("config") or {}) for r in runs}
+    keys = set()
+    for c in configs.values():
+        keys |= set(c)
+    out = {}
+    for k in sorted(keys):
+        vals = {i: c.get(k) for i, c in configs.items()}
+        if len({repr(v) for v in vals.values()}) > 1:
+            out[k] = {str(i): v for i, v in vals.items()}
+    return out
+
+
+def settings(config):
+    """The config with the `--flag value` pairs of its command line added as keys."""
+    out = dict(config)
+    argv = config.get("command")
+    if isinstance(argv, list):
+        i = 0
+        while i < len(argv):
+            a = argv[i] if isinstance(argv[i], str) else ""
+            if a.startswith("--") and len(a) > 2:
+                name, eq, value = a[2:].partition("=")
+                if not eq:
+                    nxt = argv[i + 1] if i + 1 < len(argv) else None
+                    if isinstance(nxt, str) and not nxt.startswith("--"):
+                        value, i = nxt, i + 1
+                    else:
+                        value = True
+                out.setdefault(name.replace("-", "_"), _scalar(value))
+            i += 1
+    return out
+
+
+def _scalar(v):
+    if not isinstance(v, str):
+        return v
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+def compare_checkpoints(checkpoints, key, direction):
+    """Checkpoints ranked by `key`: evaluated ones first (by their evaluation value), then
+    those with only a training value at the nearest step; the rest unranked."""
+    rows = []
+    for c in checkpoints:
+        ev = (c.get("evaluation") or {}).get(key)
+        tr = (c.get("training") or {}).get(key)
+        src, v = None, None
+        if ev is not None and math.isfinite(num(ev)):
+            src, v = "evaluation", num(ev)
+        elif tr is not None and math.isfinite(num(tr)):
+            src, v = "training", num(tr)
+        rows.append({"checkpoint_id": c["id"], "run_id": c.get("run_id"),
+                     "step": c.get("step"), "path": c.get("path"), "value": v,
+                     "source": src, "evaluation": c.get("evaluation") or {},
+                     "training": c.get("training") or {}})
+    sign = 1 if direction == "min" else -1
+    order = {"evaluation": 0, "training": 1}
+    ranked = sorted((r for r in rows if r["source"]),
+                    key=lambda r: (order[r["source"]], sign * r["value"], r["step"] or 0))
+    unranked = [r for r in rows if not r["source"]]
+    for i, r in enumerate(ranked, 1):
+        r["rank"] = i
+    acts = []
+    not_evaluated = [r for r in ranked if r["source"] == "training"][:3]
+    for r in not_evaluated:
+        acts.append(action("evaluate_checkpoint", f"evaluate it, so the ranking rests on "
+                           f"held-out {key} rather than a training value",
+                           checkpoint_id=r["checkpoint_id"]))
+    if ranked:
+        acts.append(action("get_best_checkpoint", "the recommendation with its margin",
+                           run_id=ranked[0]["run_id"]))
+    return {"key": key, "direction": direction, "ranked": ranked, "unranked": unranked,
+            "next_actions": acts}
+
+
+def get_best_checkpoint(checkpoints, key, direction):
+    """The checkpoint to keep by `key`, with the reason, the runner-up and the margin."""
+    cmp = compare_checkpoints(checkpoints, key, direction)
+    ranked = cmp["ranked"]
+    if not ranked:
+        reason = (f"no checkpoint has a value of {key}: none is evaluated and none has a "
+                  "training value near its step" if checkpoints else "there are no checkpoints")
+        return {"key": key, "direction": direction, "checkpoint": None, "runner_up": None,
+                "margin": None, "source": None, "reason": reason,
+                "next_actions": [action("evaluate_checkpoint", "evaluate it to give it a "
+                                        f"value of {key}", checkpoint_id=c["id"])
+                                 for c in checkpoints[:3]]}
+    best = ranked[0]
+    runner = ranked[1] if len(ranked) > 1 and ranked[1]["source"] == best["source"] else None
+    margin = abs(best["value"] - runner["value"]) if runner else None
+    word = "lowest" if direction == "min" else "highest"
+    reason = (f"checkpoint {best['checkpoint_id']} (run {best['run_id']}, step {best['step']}) "
+              f"has the {word} {best['source']} {key}: {_fmt(best['value'])}")
+    if runner:
+        reason += (f", ahead of checkpoint {runner['checkpoint_id']} "
+                   f"({_fmt(runner['value'])}) by {_fmt(margin)}")
+    else:
+        reason += "; it has no runner-up with a comparable value"
+    acts = cmp["next_actions"]
+    if best["source"] == "training":
+        reason += (" — a training value; evaluate the candidates to decide on held-out "
+                   "data")
+    return {"key": key, "direction": direction, "checkpoint": best, "runner_up": runner,
+            "margin": margin, "source": best["source"], "reason": reason,
+            "ranked": ranked[:10], "next_actions": acts}
+
+
+def nearest_value(points, step):
+    """The value of a (step, value) series at the step nearest `step` (None if empty)."""
+    best = None
+    for s, v in points:
+        if best is None or abs(s - step) < abs(best[0] - step):
+            best = (s, v)
+    return None if best is None else best[1]
+
+
+# -- explain_failure -------------------------------------------------------------------------
+
+# (kind, pattern, what to try); the first kind found, in this order, names the failure.
+FAILURE_PATTERNS = [
+    ("CUDA_OOM", re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
+                            r"|RESOURCE_EXHAUSTED|out of memory", re.I),
+     ["halve the batch size (keep the effective batch with gradient accumulation)",
+      "use mixed precision (bf16/fp16) or gradient checkpointing",
+      "ask for more GPUs or a GPU with more memory"]),
+    ("NCCL", re.compile(r"NCCL (error|WARN)|ncclInternalError|ncclSystemError"
+                        r"|ProcessGroupNCCL|NCCL_", re.I),
+     ["retry: NCCL errors are often a transient peer failure",
+      "set NCCL_DEBUG=INFO in the job's env to see which rank failed",
+      "check that every rank sees the same CUDA_VISIBLE_DEVICES count"]),
+    ("MISSING_MODULE", re.compile(r"ModuleNotFoundError|No module named|ImportError"),
+     ["install the missing package into the Python the job runs with",
+      "or run the job with the virtual environment's python (an absolute path)"]),
+    ("MISSING_FILE", re.compile(r"FileNotFoundError|No such file or directory"
+                                r"|can't open file|does not exist", re.I),
+     ["check the path: the working dir and relative paths are on the agent's host",
+      "submit with an absolute working_dir that exists there"]),
+    ("CUDA_ERROR", re.compile(r"CUDA error|device-side assert|cudaError|illegal memory access",
+                              re.I),
+     ["rerun with CUDA_LAUNCH_BLOCKING=1 in env to find the failing op",
+      "a device-side assert is usually an index out of range (labels vs classes)"]),
+    ("PERMISSION", re.compile(r"Permission denied|PermissionError", re.I),
+     ["make the file or directory readable/writable by the agent's user"]),
+    ("KILLED", re.compile(r"\bKilled\b|Segmentation fault|core dumped|SIGKILL|SIGSEGV"
+                          r"|killed by signal", re.I),
+     ["a kill without a Python error is often the host's OOM killer: use less host "
+      "memory (fewer dataloader workers, smaller prefetch)",
+      "check the node's memory with get_status"]),
+    ("PYTHON_EXCEPTION", re.compile(r"Traceback \(most recent call last\)"),
+     ["fix the exception shown; rerun with retry_job once fixed"]),
+]
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Z]\w+Error)\b"
+                       r"(: .*)?$")
+_SIGNALS = {9: "SIGKILL", 15: "SIGTERM", 11: "SIGSEGV", 6: "SIGABRT", 2: "SIGINT",
+            7: "SIGBUS"}
+
+
+def explain_failure(job, lines, runs=()):
+    """Why a job failed: the failure kind, the relevant log lines, what to try."""
+    job_id = job.get("id")
+    state = job.get("state")
+    kind_platform = job.get("failure_kind")
+    exit_code = job.get("exit_code")
+    texts = [(ln.get("line_no"), ln.get("text", "")) for ln in lines]
+    if state not in ("FAILED", "CANCELLED"):
+        acts = [action("wait_for_job", "wait until it ends", job_id=job_id, timeout_s=600)] \
+            if state not in ("SUCCEEDED",) else []
+        run_id = job.get("run_id")
+        if run_id:
+            acts.append(action("diagnose_run", "judge the run's curves instead",
+                               run_id=run_id))
+        return {"job_id": job_id, "state": state, "failure_kind": kind_platform,
+                "kind": "NOT_FAILED", "summary": f"job {job_id} is {state}, not failed",
+                "exception": None, "lines": [], "suggestions": [], "next_actions": acts}
+
+    kind, suggestions, hits = None, [], []
+    for name, pat, tips in FAILURE_PATTERNS:
+        found = [(no, t) for no, t in texts if pat.search(t)]
+        if found:
+            kind, suggestions, hits = name, list(tips), found
+            break
+    exc = None
+    tb_start = None
+    for i, (no, t) in enumerate(texts):
+        if t.startswith("Traceback (most recent call last)"):
+            tb_start = i
+    for no, t in reversed(texts):
+        m = _EXC_LINE.match(t.strip())
+        if m:
+            exc = t.strip()
+            break
+    if kind_platform == "OOM" and kind is None:
+        kind = "CUDA_OOM"
+        suggestions = FAILURE_PATTERNS[0][2]
+    if kind is None:
+        sig = _signal_of(exit_code)
+        if state == "CANCELLED":
+            kind, suggestions = "CANCELLED", ["retry_job if it was cancelled by mistake"]
+        elif kind_platform == "DISPATCH_FAILED":
+            kind = "DISPATCH_FAILED"
+            suggestions = ["the agent could not start the command: check working_dir "
+                           "and that the program exists on the agent's host"]
+        elif kind_platform == "NODE_LOST":
+            kind = "NODE_LOST"
+            suggestions = ["the agent disconnected; check get_status and retry_job"]
+        elif sig:
+            kind = "KILLED"
+            suggestions = [f"the process was killed by {sig}; if nobody cancelled it, "
+                           "suspect the host's OOM killer or a time limit"]
+        else:
+            kind = "EXIT_CODE"
+            suggestions = ["the program exited with an error and no recognised message; "
+                           "read the log tail (get_job_logs)"]
+    relevant = []
+    if tb_start is not None:
+        relevant = texts[tb_start:tb_start + 40]
+    for h in hits:
+        if h not in relevant:
+            relevant.append(h)
+    relevant = relevant[:60]
+    summary = _failure_summary(job_id, kind, exc, exit_code, kind_platform)
+    acts = [action("get_job_logs", "read more of the log around the error",
+                   job_id=job_id, tail=200)]
+    if kind in ("NCCL", "NODE_LOST", "KILLED", "CANCELLED"):
+        acts.insert(0, action("retry_job", "these failures are often transient",
+                              job_id=job_id))
+    else:
+        acts.append(action("submit_job", suggestions[0] if suggestions else "fix and rerun",
+                           command="<the fixed command>", working_dir=job.get("working_dir")
+                           or "<the job's working dir>"))
+    return {"job_id": job_id, "state": state, "failure_kind": kind_platform, "kind": kind,
+            "exit_code": exit_code, "summary": summary, "exception": exc,
+            "lines": [{"line_no": no, "text": t} for no, t in relevant],
+            "suggestions": suggestions, "attempts": len(runs) or job.get("attempt"),
+            "next_actions": acts}
+
+
+def _signal_of(exit_code):
+    if exit_code is None:
+        return None
+    if exit_code < 0:
+        return _SIGNALS.get(-exit_code, f"signal {-exit_code}")
+    if exit_code > 128 and exit_code - 128 in _SIGNALS:
+        return _SIGNALS[exit_code - 128]
+    return None
+
+
+def _failure_summary(job_id, kind, exc, exit_code, kind_platform):
+    words = {
+        "CUDA_OOM": "ran out of GPU memory",
+        "NCCL": "hit an NCCL (multi-GPU communication) error",
+        "MISSING_MODULE": "could not import a Python module",
+        "MISSING_FILE": "did not find a file it needed",
+        "CUDA_ERROR": "hit a CUDA error",
+        "PERMISSION": "was refused access to a file",
+        "KILLED": "was killed by a signal",
+        "PYTHON_EXCEPTION": "raised an exception",
+        "CANCELLED": "was cancelled",
+        "DISPATCH_FAILED": "could not be started by the agent",
+        "NODE_LOST": "lost its node",
+        "EXIT_CODE": f"exited with code {exit_code}",
+    }
+    s = f"job {job_id} {words.get(kind, kind)}"
+    if exc:
+        s += f": {exc[:300]}"
+    return s

@@ -4,16 +4,16 @@
   GET /runs:compare?ids=1,2&keys=a,b      compare_runs
   GET /jobs/<id>/explanation              explain_failure
   GET /checkpoints:compare?runs=1,2&key=  compare_checkpoints, with the recommendation
-The work is in gpuplane/analysis.py (pure functions) on data from gpuplane/db/analysis.py.
+The work is in gpuplane/semantic.py (pure functions) on data from gpuplane/db/semantic.py.
 """
 import json
 import math
 
 from flask import Blueprint, Response, request
 
-from .. import analysis, semantic
+from .. import semantic
 from ..auth import requires
-from ..db import analysis as load, metrics, now_ms
+from ..db import metrics, now_ms, semantic as load
 from ..errors import BadRequest, NotFound
 from . import current_db
 
@@ -29,7 +29,7 @@ def _json(obj):
 
 def _clean(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
-        return analysis.wire(obj)
+        return semantic.wire(obj)
     if isinstance(obj, dict):
         return {k: _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -66,7 +66,7 @@ def diagnosis(run_id):
     if key and not any(k["key"] == key for k in b["keys"]):
         names = ", ".join(k["key"] for k in b["keys"]) or "none yet"
         raise BadRequest(f"run {run_id} has no metric {key!r}; its metrics: {names}")
-    return _json(analysis.diagnose_run(b["run"], b["keys"],
+    return _json(semantic.diagnose_run(b["run"], b["keys"],
                                        load.run_events(current_db(), run_id),
                                        now_ms=now_ms(), primary=key))
 
@@ -80,7 +80,7 @@ def compare_runs():
     keys = [k for k in request.args.get("keys", "").split(",") if k.strip()] or None
     bundles = [_bundle(i) for i in ids]
     try:
-        result = analysis.compare_runs(bundles, keys=keys, primary=request.args.get("key"))
+        result = semantic.compare_runs(bundles, keys=keys, primary=request.args.get("key"))
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return _json(result)
@@ -92,7 +92,7 @@ def explanation(job_id):
     job, lines, runs = load.job_with_logs(current_db(), job_id)
     if job is None:
         raise NotFound(f"job {job_id} does not exist; list jobs with `gpuplane job list`")
-    return _json(analysis.explain_failure(job, lines, runs))
+    return _json(semantic.explain_failure(job, lines, runs))
 
 
 @bp.get("/checkpoints:compare")
@@ -103,15 +103,15 @@ def compare_checkpoints():
     key = request.args.get("key") or None
     names = sorted({k["key"] for b in bundles for k in b["keys"]})
     if key is None:
-        key = analysis.pick_primary([{"key": n} for n in names])
+        key = semantic.pick_primary([{"key": n} for n in names])
     elif key not in names:
         raise BadRequest(f"no run among {run_ids} has the metric {key!r}; they have: "
                          f"{', '.join(names) or 'no metrics yet'}")
     direction = next((k["direction"] for b in bundles for k in b["keys"] if k["key"] == key),
                      semantic.direction(key or ""))
     cks = load.checkpoints(current_db(), run_ids, [key] if key else [])
-    result = analysis.compare_checkpoints(cks, key, direction)
-    best = analysis.get_best_checkpoint(cks, key, direction)
+    result = semantic.compare_checkpoints(cks, key, direction)
+    best = semantic.get_best_checkpoint(cks, key, direction)
     result["recommendation"] = {k: best[k] for k in
                                 ("checkpoint", "runner_up", "margin", "source", "reason")}
     return _json(result)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from gpuplane import analysis as A
+from gpuplane import semantic as A
 
 NOW = 1_764_403_200_000
 

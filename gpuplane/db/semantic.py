@@ -1,4 +1,4 @@
-"""Loading what the semantic layer (gpuplane/analysis.py) judges: plain dicts, bounded in size
+"""Loading what the semantic layer (gpuplane/semantic.py) judges: plain dicts, bounded in size
 whatever the run's length (summaries from the rollups, series of a few hundred buckets)."""
 from . import events, jobs, logs, metrics, runs
 
