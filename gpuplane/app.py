@@ -58,6 +58,11 @@ def create_app(home=None, start_threads=True, **overrides):
         return {"name": "gpuplane", "version": __version__, "api": "/api/v1/"}
     index.required_scope = "public"
 
+    @app.get("/static/<path:name>")
+    def static_file(name):      # the dashboard's files; its data needs a token
+        return send_from_directory(STATIC, name, max_age=0)
+    static_file.required_scope = "public"
+
     threads = [scheduler, rollup]
     if start_threads:
         for t in threads:

@@ -91,13 +91,18 @@ def list_jobs():
 @requires("read")
 def show(job_id):
     job = _job_or_404(job_id)
-    job["attempts"] = [
+    job["attempts"] = attempts(current_db(), job_id)
+    return job
+
+
+def attempts(db, job_id):
+    """A job's attempts, one per run, for the job view (REST and the dashboard stream)."""
+    return [
         {"attempt": r["attempt"], "run_id": r["id"], "state": r["state"], "node": r["node"],
          "gpu_indices": r["gpu_indices"], "exit_code": r["exit_code"],
          "failure_kind": r["failure_kind"], "started_at": r["started_at"],
          "ended_at": r["ended_at"]}
-        for r in runs.for_job(current_db(), job_id)]
-    return job
+        for r in runs.for_job(db, job_id)]
 
 
 @bp.post("/jobs/<int:job_id>/cancel")

@@ -693,3 +693,11 @@ def encode(v):
 def encode_points(pts):
     return [[s, encode(mn), encode(mx), encode(mean), encode(last), n]
             for s, mn, mx, mean, last, n in pts]
+
+
+def tips(db, run_id):
+    """{key: last raw step} for a run's keys: a cheap fingerprint of "new points arrived"
+    for live views (the points primary key makes each MAX one index probe)."""
+    return {k: s for k, s in db.query(
+        "SELECT k.key, (SELECT MAX(step) FROM points WHERE key_id = k.id)"
+        " FROM metric_keys k WHERE k.run_id = ? ORDER BY k.key", (run_id,))}

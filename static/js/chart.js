@@ -1,0 +1,203 @@
+// A metric chart on uPlot: the server's downsampled series (min/max band + mean per
+// bucket), drag to zoom (refetches that step range at full resolution), double-click to
+// zoom out, smoothing, log scale, events as markers.
+
+import { api } from "./api.js";
+import { h } from "./dom.js";
+
+const uPlot = window.uPlot;
+
+export const PALETTE = ["#3b82f6", "#e8590c", "#2f9e44", "#ae3ec9", "#0c8599", "#c2255c", "#5c940d", "#1864ab"];
+
+function num(v) {
+  if (v === null || v === undefined || typeof v === "string") return null;   // "NaN", "Infinity" → gap
+  return v;
+}
+
+// Buckets per chart: about one per two pixels, enough that the band shows every spike.
+export function pointsFor(width) {
+  return Math.max(100, Math.min(2000, Math.round(width / 2)));
+}
+
+// TensorBoard-style debiased exponential moving average; gaps stay gaps.
+export function smooth(ys, weight) {
+  if (!weight) return ys;
+  const out = new Array(ys.length);
+  let last = 0, n = 0;
+  for (let i = 0; i < ys.length; i++) {
+    const y = ys[i];
+    if (y === null || !Number.isFinite(y)) {
+      out[i] = null;
+      continue;
+    }
+    last = last * weight + (1 - weight) * y;
+    n++;
+    out[i] = last / (1 - Math.pow(weight, n));
+  }
+  return out;
+}
+
+function cssVar(name, fallback) {
+  return getComputedStyle(document.documentElement).getPropertyValue(name).trim() || fallback;
+}
+
+export class MetricChart {
+  // source: async ({from, to, maxPoints}) => {level, points}
+  constructor({ title, source, color = PALETTE[0], options, markers = [], xLabel = "step" }) {
+    this.title = title;
+    this.source = source;
+    this.color = color;
+    this.options = options;       // shared {smoothing, log}
+    this.markers = markers;       // [{step, label, severity}]
+    this.xLabel = xLabel;
+    this.zoom = null;             // [from, to] when zoomed in
+    this.raw = null;              // {level, points}
+    this.u = null;
+    this.status = h("span", { class: "muted small chart-status" });
+    this.plotEl = h("div", { class: "plot" });
+    this.el = h("figure", { class: "chart card", "data-key": title },
+      h("figcaption", { class: "row" }, h("span", { class: "chart-title", text: title }), this.status,
+        h("button", { class: "link small zoom-out", hidden: true, onclick: () => this.resetZoom() }, "zoom out")),
+      this.plotEl);
+    this.zoomBtn = this.el.querySelector(".zoom-out");
+    this.loading = null;
+  }
+
+  width() {
+    return Math.max(240, this.plotEl.clientWidth || this.el.clientWidth - 24 || 600);
+  }
+
+  async load() {
+    const [from, to] = this.zoom || [null, null];
+    const seq = (this._seq = (this._seq || 0) + 1);
+    const data = await this.source({ from, to, maxPoints: pointsFor(this.width()) });
+    if (seq !== this._seq) return;
+    this.raw = data;
+    this.draw();
+  }
+
+  // Live updates: reload, at most every 2 s, and not while zoomed (the user is reading).
+  refresh() {
+    if (this.zoom || this.loading) return;
+    this.loading = setTimeout(() => {
+      this.load().catch(() => {}).finally(() => { this.loading = null; });
+    }, 2000);
+  }
+
+  data() {
+    const pts = (this.raw && this.raw.points) || [];
+    const log = this.options.log;
+    const pos = (v) => (log && v !== null && v <= 0 ? null : v);
+    const xs = pts.map((p) => p[0]);
+    const mins = pts.map((p) => pos(num(p[1])));
+    const maxs = pts.map((p) => pos(num(p[2])));
+    const means = pts.map((p) => pos(num(p[3])));
+    return [xs, mins, maxs, means, smooth(means, this.options.smoothing)];
+  }
+
+  draw() {
+    const data = this.data();
+    const level = this.raw ? this.raw.level : 1;
+    const n = data[0].length;
+    this.status.textContent = n ? (level > 1 ? `${n} buckets of ${level} steps` : `${n} points`) : "no points yet";
+    this.zoomBtn.hidden = !this.zoom;
+    const smoothing = this.options.smoothing > 0;
+    const optsKey = `${this.options.log}|${smoothing}`;
+    if (this.u && this.optsKey === optsKey) {
+      this.u.setData(data, !this.zoom);
+      if (this.zoom) this.u.setScale("x", { min: this.zoom[0], max: this.zoom[1] });
+      return;
+    }
+    if (this.u) this.u.destroy();
+    this.optsKey = optsKey;
+    const axisStroke = cssVar("--muted", "#777");
+    const grid = { stroke: cssVar("--grid", "rgba(128,128,128,.15)"), width: 1 };
+    const band = `${this.color}33`;
+    const opts = {
+      width: this.width(), height: 200,
+      scales: { x: { time: false }, y: this.options.log ? { distr: 3 } : {} },
+      legend: { show: true, live: true },
+      cursor: { drag: { x: true, y: false, setScale: false }, points: { size: 5 } },
+      series: [
+        { label: this.xLabel },
+        { label: "min", stroke: "transparent", points: { show: false } },
+        { label: "max", stroke: "transparent", points: { show: false } },
+        { label: smoothing ? "mean (raw)" : "mean", stroke: smoothing ? `${this.color}66` : this.color, width: smoothing ? 1 : 1.5, points: { show: false } },
+        { label: "smoothed", stroke: this.color, width: 1.5, show: smoothing, points: { show: false } },
+      ],
+      bands: [{ series: [2, 1], fill: band }],
+      axes: [
+        { stroke: axisStroke, grid, ticks: grid },
+        { stroke: axisStroke, grid, ticks: grid, size: 60 },
+      ],
+      hooks: {
+        setSelect: [(u) => {
+          if (u.select.width < 4) return;
+          const a = Math.floor(u.posToVal(u.select.left, "x"));
+          const b = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
+          u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+          if (b > a) this.zoomTo(Math.max(0, a), b);
+        }],
+        draw: [(u) => this.drawMarkers(u)],
+      },
+    };
+    this.plotEl.replaceChildren();
+    this.u = new uPlot(opts, data, this.plotEl);
+    this.u.over.addEventListener("dblclick", () => this.resetZoom());
+    this.u.over.title = "drag to zoom in (full resolution), double-click to zoom out";
+  }
+
+  drawMarkers(u) {
+    if (!this.markers.length) return;
+    const ctx = u.ctx;
+    const [lo, hi] = [u.scales.x.min, u.scales.x.max];
+    ctx.save();
+    ctx.lineWidth = 1;
+    ctx.setLineDash([4, 3]);
+    for (const m of this.markers) {
+      if (m.step === null || m.step === undefined || m.step < lo || m.step > hi) continue;
+      const x = Math.round(u.valToPos(m.step, "x", true)) + 0.5;
+      ctx.strokeStyle = m.severity === "critical" ? "#e03131" : m.severity === "warning" ? "#f08c00" : "#868e96";
+      ctx.beginPath();
+      ctx.moveTo(x, u.bbox.top);
+      ctx.lineTo(x, u.bbox.top + u.bbox.height);
+      ctx.stroke();
+    }
+    ctx.restore();
+  }
+
+  async zoomTo(from, to) {
+    this.zoom = [from, to];
+    await this.load();
+  }
+
+  async resetZoom() {
+    if (!this.zoom) return;
+    this.zoom = null;
+    await this.load();
+  }
+
+  setMarkers(markers) {
+    this.markers = markers;
+    if (this.u) this.u.redraw(false);
+  }
+
+  resize() {
+    if (this.u) this.u.setSize({ width: this.width(), height: 200 });
+  }
+
+  destroy() {
+    clearTimeout(this.loading);
+    if (this.u) this.u.destroy();
+    this.u = null;
+  }
+}
+
+export function seriesSource(runId, key) {
+  return async ({ from, to, maxPoints }) => {
+    const q = new URLSearchParams({ max_points: maxPoints });
+    if (from !== null && from !== undefined) q.set("from_step", from);
+    if (to !== null && to !== undefined) q.set("to_step", to);
+    return api(`/runs/${runId}/metrics/${key.split("/").map(encodeURIComponent).join("/")}?${q}`);
+  };
+}

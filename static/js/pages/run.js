@@ -1,0 +1,192 @@
+// A run: its facts, a chart per metric key (training keys, then system metrics), events as
+// markers, checkpoints with evaluate and the recommendation where the server has them.
+
+import { api, optional, canWrite } from "../api.js";
+import { h, replace, fmtTime, fmtDuration, fmtNum, stateBadge, confirmAction } from "../dom.js";
+import { live } from "../live.js";
+import { MetricChart, PALETTE, seriesSource } from "../chart.js";
+import { eventRow } from "./events.js";
+import { errorBox } from "../app.js";
+
+export async function render(root, [id]) {
+  const runId = Number(id);
+  const [run, summary] = await Promise.all([api(`/runs/${runId}`), api(`/runs/${runId}/metrics`)]);
+  const options = { smoothing: 0, log: false };
+  const charts = new Map();
+  const head = h("div", { class: "page-head" });
+  const facts = h("dl", { class: "facts" });
+  const keysTable = h("div", { id: "keys" });
+  const trainEl = h("div", { class: "charts", id: "charts" });
+  const sysEl = h("div", { class: "charts", id: "sys-charts" });
+  const eventsEl = h("ul", { class: "events", id: "run-events" });
+  const ckptEl = h("div", { id: "checkpoints" });
+  const msg = h("div", { class: "msg-area", "aria-live": "polite" });
+
+  const smoothIn = h("input", { type: "range", id: "smoothing", min: 0, max: 0.99, step: 0.01, value: "0", "aria-label": "Smoothing" });
+  const smoothOut = h("output", { for: "smoothing", text: "0" });
+  const logIn = h("input", { type: "checkbox", id: "logscale" });
+  smoothIn.addEventListener("input", () => {
+    options.smoothing = Number(smoothIn.value);
+    smoothOut.textContent = smoothIn.value;
+    for (const c of charts.values()) c.draw();
+  });
+  logIn.addEventListener("change", () => {
+    options.log = logIn.checked;
+    for (const c of charts.values()) c.draw();
+  });
+
+  let currentRun = run;
+  function drawHead() {
+    const r = currentRun;
+    replace(head, h("h1", {}, h("span", { class: "muted", text: `run #${r.id} ` }), h("span", { text: r.name || `${r.project}` })), stateBadge(r.state));
+    const fact = (k, v) => (v === null || v === undefined || v === "" ? null : [h("dt", { text: k }), h("dd", {}, v)]);
+    const cfg = r.config && Object.keys(r.config).length ? h("code", { text: Object.entries(r.config).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ") }) : null;
+    replace(facts,
+      fact("Job", r.job_id ? h("a", { href: `#/jobs/${r.job_id}`, text: `job #${r.job_id}${r.attempt ? `, attempt ${r.attempt}` : ""}` }) : null),
+      fact("Source", r.source),
+      fact("Project", r.experiment ? `${r.project} / ${r.experiment}` : r.project),
+      fact("Node", r.node ? `${r.node}${r.gpu_indices && r.gpu_indices.length ? ` · GPU ${r.gpu_indices.join(", ")}` : ""}` : null),
+      fact("Config", cfg),
+      fact("Failure", r.failure_kind ? `${r.failure_kind}${r.exit_code !== null && r.exit_code !== undefined ? ` (exit ${r.exit_code})` : ""}` : null),
+      fact("Started", r.started_at ? `${fmtTime(r.started_at)} · ${fmtDuration(r.started_at, r.ended_at)}` : fmtTime(r.created_at)));
+  }
+
+  function drawKeys(keys) {
+    const train = keys.filter((k) => !k.key.startsWith("sys/"));
+    replace(keysTable, train.length ? h("table", { class: "table keys" },
+      h("thead", {}, h("tr", {}, ["Metric", "Latest", "Best", "at step", "Trend", "Points"].map((t) => h("th", { text: t })))),
+      h("tbody", {}, train.map((k) => h("tr", {},
+        h("td", {}, h("a", { href: `#chart-${cssId(k.key)}`, text: k.key }), h("span", { class: "muted small", text: ` ${k.direction === "max" ? "↑ higher is better" : "↓ lower is better"}` })),
+        h("td", { class: "num", text: k.latest ? fmtNum(k.latest.value) : "" }),
+        h("td", { class: "num", text: k.best ? fmtNum(k.best.value) : "" }),
+        h("td", { class: "num", text: k.best ? String(k.best.step) : "" }),
+        h("td", { class: `trend t-${k.trend}`, text: k.trend }),
+        h("td", { class: "num", text: String(k.count) })))))
+      : h("p", { class: "muted", text: "No training metrics yet. Log them with the SDK (run.log) or point the job at a TensorBoard dir." }));
+  }
+
+  // Charts are built when they scroll into view: a run with many keys stays quick to open.
+  const io = new IntersectionObserver((entries) => {
+    for (const e of entries) {
+      if (!e.isIntersecting) continue;
+      io.unobserve(e.target);
+      const c = e.target._chart;
+      c.load().catch((err) => { c.status.textContent = err.message; });
+    }
+  }, { rootMargin: "200px" });
+
+  let colour = 0;
+  function ensureChart(key) {
+    if (charts.has(key)) return charts.get(key);
+    const c = new MetricChart({ title: key, source: seriesSource(runId, key), color: PALETTE[colour++ % PALETTE.length], options, markers: markers });
+    c.el.id = `chart-${cssId(key)}`;
+    c.el._chart = c;
+    charts.set(key, c);
+    window.gpuplane.charts[key] = c;
+    const target = key.startsWith("sys/") ? sysEl : trainEl;
+    const siblings = [...target.children].filter((x) => x.dataset.key);
+    const before = siblings.find((x) => x.dataset.key > key);
+    target.insertBefore(c.el, before || null);
+    io.observe(c.el);
+    return c;
+  }
+
+  let markers = [];
+  function drawEvents(all) {
+    markers = all.filter((e) => e.step !== null && e.step !== undefined)
+      .map((e) => ({ step: e.step, severity: e.severity, label: e.type }));
+    for (const c of charts.values()) c.setMarkers(markers);
+    replace(eventsEl, all.length ? all.slice().reverse().slice(0, 100).map(eventRow) : h("li", { class: "muted", text: "No events for this run." }));
+  }
+
+  root.append(head, msg, facts,
+    h("section", {}, h("h2", { text: "Metrics" }), keysTable),
+    h("div", { class: "row chart-controls" },
+      h("label", { for: "smoothing", text: "Smoothing" }), smoothIn, smoothOut,
+      h("label", { class: "check" }, logIn, " log scale"),
+      h("span", { class: "muted small", text: "Drag across a chart to zoom in at full resolution; double-click to zoom out. Dashed lines mark events." })),
+    trainEl,
+    h("section", {}, h("h2", { text: "System" }), sysEl),
+    h("section", {}, h("h2", { text: "Checkpoints" }), ckptEl),
+    h("section", {}, h("h2", { text: "Events" }), eventsEl));
+  drawHead();
+  drawKeys(summary.keys);
+  for (const k of summary.keys) ensureChart(k.key);
+  if (!summary.keys.some((k) => k.key.startsWith("sys/"))) sysEl.append(h("p", { class: "muted", text: "No system metrics for this run." }));
+  drawEvents([]);
+  loadCheckpoints(runId, ckptEl, msg).catch((e) => replace(ckptEl, errorBox(e)));
+
+  const ro = new ResizeObserver(() => { for (const c of charts.values()) c.resize(); });
+  ro.observe(trainEl);
+
+  const runEvents = [];
+  const offEvents = live.subscribe(`events:run=${runId}`, (d) => {
+    runEvents.push(...d.events);
+    drawEvents(runEvents);
+  });
+  let tips = null;
+  let summaryTimer = null;
+  const offRun = live.subscribe(`run:${runId}`, (d) => {
+    if (d.run) {
+      currentRun = d.run;
+      drawHead();
+    }
+    const fresh = d.tips || {};
+    for (const [key, step] of Object.entries(fresh)) {
+      const c = ensureChart(key);
+      if (tips && tips[key] !== step && c.raw) c.refresh();
+    }
+    if (tips && JSON.stringify(tips) !== JSON.stringify(fresh) && !summaryTimer) {
+      summaryTimer = setTimeout(async () => {
+        summaryTimer = null;
+        try { drawKeys((await api(`/runs/${runId}/metrics`)).keys); } catch { /* next update */ }
+      }, 3000);
+    }
+    tips = fresh;
+  });
+  return () => {
+    offEvents(); offRun(); io.disconnect(); ro.disconnect(); clearTimeout(summaryTimer);
+    for (const c of charts.values()) c.destroy();
+  };
+}
+
+function cssId(key) {
+  return key.replace(/[^A-Za-z0-9_-]/g, "_");
+}
+
+// Checkpoints (issue 11's routes): shown when the server has them.
+async function loadCheckpoints(runId, el, msg) {
+  const data = await optional(`/runs/${runId}/checkpoints`).catch((e) => {
+    if (e.status === 405) return null;
+    throw e;
+  });
+  if (!data) {
+    replace(el, h("p", { class: "muted not-available", text: "Checkpoints are not available on this server yet." }));
+    return;
+  }
+  const list = data.checkpoints || [];
+  const rec = await optional(`/checkpoints:recommend?run=${runId}`).catch(() => null);
+  const recId = rec && (rec.checkpoint ? rec.checkpoint.id : rec.id);
+  replace(el,
+    rec && recId ? h("div", { class: "notice ok", id: "recommendation" }, h("strong", { text: "Recommended: " }),
+      `checkpoint #${recId}`, rec.reason ? h("span", { text: ` — ${rec.reason}` }) : null) : null,
+    list.length ? h("table", { class: "table" },
+      h("thead", {}, h("tr", {}, ["Checkpoint", "Step", "Epoch", "Size", "Metrics", "Evaluations", ""].map((t) => h("th", { text: t })))),
+      h("tbody", {}, list.map((c) => h("tr", { class: c.id === recId ? "recommended" : "" },
+        h("td", {}, h("code", { text: c.path })),
+        h("td", { class: "num", text: c.step ?? "" }),
+        h("td", { class: "num", text: c.epoch ?? "" }),
+        h("td", { class: "num", text: c.size_bytes ? `${(c.size_bytes / 2 ** 20).toFixed(1)} MB` : "" }),
+        h("td", { class: "small", text: c.metrics ? Object.entries(c.metrics).map(([k, v]) => `${k} ${fmtNum(v)}`).join(" · ") : "" }),
+        h("td", { class: "small", text: (c.evaluations || []).map((e) => `${e.state || ""} ${e.results ? Object.entries(e.results).map(([k, v]) => `${k} ${fmtNum(v)}`).join(" ") : ""}`).join("; ") }),
+        h("td", {}, canWrite() ? h("button", { class: "secondary small", onclick: async () => {
+          if (!(await confirmAction(`Queue an evaluation job for checkpoint #${c.id}?`, "Evaluate"))) return;
+          try {
+            await api(`/checkpoints/${c.id}/evaluations`, { method: "POST", body: {} });
+            await loadCheckpoints(runId, el, msg);
+          } catch (e) {
+            replace(msg, errorBox(e));
+          }
+        } }, "Evaluate") : null)))))
+      : h("p", { class: "muted", text: "No checkpoints registered for this run." }));
+}
