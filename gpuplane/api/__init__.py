@@ -3,7 +3,7 @@ import importlib
 
 from flask import current_app
 
-MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "semantic", "stream")
+MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "semantic", "stream", "routes")
 
 
 def blueprints():

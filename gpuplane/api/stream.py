@@ -30,7 +30,7 @@ from .nodes import node_views
 bp = Blueprint("stream", __name__, url_prefix="/api/v1")
 
 POLL_S = 1.0          # node stats and metrics do not publish on the hub: look this often
-KEEPALIVE_S = 15
+KEEPALIVE_S = 5       # also how soon a closed tab frees its thread (at the 2nd write)
 MAX_TOPICS = 32
 LOG_BACKLOG = 200
 EVENT_BACKLOG = 50

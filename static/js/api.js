@@ -20,6 +20,11 @@ export function setToken(t) {
   localStorage.setItem(KEY, t);
 }
 
+export function forgetToken() {
+  localStorage.removeItem(KEY);
+  session.me = null;
+}
+
 export function logout() {
   localStorage.removeItem(KEY);
   session.me = null;
@@ -64,21 +69,30 @@ export async function api(path, { method = "GET", body, signal } = {}) {
   return data;
 }
 
-// GET that answers null when the route does not exist on this server (features that
-// other parts of the server add over time).
-export async function optional(path) {
-  try {
-    return await api(path);
-  } catch (e) {
-    if (e.status === 404 && (e.code === "NotFound" || e.code === "HTTP404") && isMissingRoute(e)) {
-      return null;
-    }
-    throw e;
+// Features that other parts of the server add over time: the server's route map
+// (GET /api/v1/routes) says which exist, so a missing one is a calm notice, not a 404.
+let routeMap = null;
+
+async function routes() {
+  if (!routeMap) {
+    routeMap = api("/routes").then((d) => d.routes.map((r) => ({
+      methods: r.methods,
+      re: new RegExp(`^${r.rule.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")
+        .replace(/<path:[^>]+>/g, ".+").replace(/<int:[^>]+>/g, "\\d+").replace(/<[^>]+>/g, "[^/]+")}$`),
+    }))).catch((e) => { routeMap = null; throw e; });
   }
+  return routeMap;
 }
 
-function isMissingRoute(e) {
-  return /no such route/.test(e.message);
+export async function hasRoute(path, method = "GET") {
+  const full = `/api/v1${path.split("?")[0]}`;
+  return (await routes()).some((r) => r.methods.includes(method) && r.re.test(full));
+}
+
+// GET that answers null when this server does not have the route.
+export async function optional(path) {
+  if (!(await hasRoute(path))) return null;
+  return api(path);
 }
 
 export async function whoami() {

@@ -1,6 +1,6 @@
 // The shell: login, the header (who, live state), and a hash router over the pages.
 
-import { api, logout, session, setToken, takeTokenFromUrl, token, whoami } from "./api.js";
+import { forgetToken, logout, session, setToken, takeTokenFromUrl, token, whoami } from "./api.js";
 import { h, replace, $ } from "./dom.js";
 import { live } from "./live.js";
 
@@ -117,7 +117,7 @@ function showLogin(message) {
       try {
         await whoami();
       } catch (e) {
-        logout();
+        forgetToken();
         err.textContent = e.status === 401
           ? "This token is unknown or revoked. Copy it again from `gpuplane token show-admin` or ask for a new one."
           : e.message;

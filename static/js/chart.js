@@ -43,7 +43,9 @@ function cssVar(name, fallback) {
 
 export class MetricChart {
   // source: async ({from, to, maxPoints}) => {level, points}
-  constructor({ title, source, color = PALETTE[0], options, markers = [], xLabel = "step" }) {
+  // time: the x values are Unix seconds (the agent's system metrics), drawn as clock time.
+  constructor({ title, source, color = PALETTE[0], options, markers = [], xLabel = "step", time = false }) {
+    this.time = time;
     this.title = title;
     this.source = source;
     this.color = color;
@@ -115,11 +117,11 @@ export class MetricChart {
     const band = `${this.color}33`;
     const opts = {
       width: this.width(), height: 200,
-      scales: { x: { time: false }, y: this.options.log ? { distr: 3 } : {} },
+      scales: { x: { time: this.time }, y: this.options.log ? { distr: 3 } : {} },
       legend: { show: true, live: true },
       cursor: { drag: { x: true, y: false, setScale: false }, points: { size: 5 } },
       series: [
-        { label: this.xLabel },
+        { label: this.time ? "time" : this.xLabel },
         { label: "min", stroke: "transparent", points: { show: false } },
         { label: "max", stroke: "transparent", points: { show: false } },
         { label: smoothing ? "mean (raw)" : "mean", stroke: smoothing ? `${this.color}66` : this.color, width: smoothing ? 1 : 1.5, points: { show: false } },

@@ -110,7 +110,7 @@ export async function render(root, _params, query) {
     overlay = new uPlot({
       width, height: 260, scales: { x: { time: false } },
       series: [{ label: "step" }, ...present.map((s, i) => ({ label: `run #${s.run_id}`, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: false } }))],
-      axes: [{ stroke: muted }, { stroke: muted, size: 60 }],
+      axes: [{ stroke: muted, grid: { stroke: "rgba(128,128,128,.15)" } }, { stroke: muted, size: 60, grid: { stroke: "rgba(128,128,128,.15)" } }],
     }, joined, overlayEl);
     window.gpuplane.charts.overlay = { u: overlay };
   }

@@ -80,10 +80,10 @@ function nodeCard(n, names) {
         const memFrac = g.memory_total_mb ? (g.mem_used_mb || 0) / g.memory_total_mb : 0;
         return h("tr", { "data-gpu": g.index },
           h("td", {}, h("span", { text: `${g.index}` }), h("span", { class: "muted small", text: ` ${g.name || ""}` })),
-          h("td", { class: "meter" }, bar((g.util || 0) / 100, `utilisation ${g.util ?? "?"} %`, heat(g.util)),
-            h("span", { class: "num", text: g.util === null || g.util === undefined ? "–" : `${Math.round(g.util)} %` })),
-          h("td", { class: "meter" }, bar(memFrac, `memory ${g.mem_used_mb ?? "?"} of ${g.memory_total_mb} MB`, heat(memFrac * 100)),
-            h("span", { class: "num", text: `${fmtGB(g.mem_used_mb)} / ${fmtGB(g.memory_total_mb)}` })),
+          h("td", {}, h("div", { class: "meter" }, bar((g.util || 0) / 100, `utilisation ${g.util ?? "?"} %`, heat(g.util)),
+            h("span", { class: "num", text: g.util === null || g.util === undefined ? "–" : `${Math.round(g.util)} %` }))),
+          h("td", {}, h("div", { class: "meter" }, bar(memFrac, `memory ${g.mem_used_mb ?? "?"} of ${g.memory_total_mb} MB`, heat(memFrac * 100)),
+            h("span", { class: "num", text: `${fmtGB(g.mem_used_mb)} / ${fmtGB(g.memory_total_mb)}` }))),
           h("td", { class: "num", text: g.temp_c === null || g.temp_c === undefined ? "–" : `${Math.round(g.temp_c)} °C` }),
           h("td", { class: "num", text: g.power_w === null || g.power_w === undefined ? "–" : `${Math.round(g.power_w)} W` }),
           h("td", {}, g.job_id ? h("a", { href: `#/jobs/${g.job_id}` }, `#${g.job_id} `, h("span", { text: names.get(g.job_id) || "" }))

@@ -73,12 +73,12 @@ export async function render(root, [id]) {
       const c = e.target._chart;
       c.load().catch((err) => { c.status.textContent = err.message; });
     }
-  }, { rootMargin: "200px" });
+  }, { rootMargin: "800px" });
 
   let colour = 0;
   function ensureChart(key) {
     if (charts.has(key)) return charts.get(key);
-    const c = new MetricChart({ title: key, source: seriesSource(runId, key), color: PALETTE[colour++ % PALETTE.length], options, markers: markers });
+    const c = new MetricChart({ title: key, source: seriesSource(runId, key), color: PALETTE[colour++ % PALETTE.length], options, markers: key.startsWith("sys/") ? [] : markers, time: key.startsWith("sys/") });
     c.el.id = `chart-${cssId(key)}`;
     c.el._chart = c;
     charts.set(key, c);
@@ -95,7 +95,7 @@ export async function render(root, [id]) {
   function drawEvents(all) {
     markers = all.filter((e) => e.step !== null && e.step !== undefined)
       .map((e) => ({ step: e.step, severity: e.severity, label: e.type }));
-    for (const c of charts.values()) c.setMarkers(markers);
+    for (const c of charts.values()) if (!c.time) c.setMarkers(markers);
     replace(eventsEl, all.length ? all.slice().reverse().slice(0, 100).map(eventRow) : h("li", { class: "muted", text: "No events for this run." }));
   }
 
@@ -156,10 +156,7 @@ function cssId(key) {
 
 // Checkpoints (issue 11's routes): shown when the server has them.
 async function loadCheckpoints(runId, el, msg) {
-  const data = await optional(`/runs/${runId}/checkpoints`).catch((e) => {
-    if (e.status === 405) return null;
-    throw e;
-  });
+  const data = await optional(`/runs/${runId}/checkpoints`);
   if (!data) {
     replace(el, h("p", { class: "muted not-available", text: "Checkpoints are not available on this server yet." }));
     return;

@@ -1,0 +1,211 @@
+"""The dashboard in a real Chromium against a real server and agent (fake GPUs).
+
+Each test saves screenshots of the pages it visits into docs/screenshots/ (the README
+shows them).
+"""
+import pathlib
+import re
+
+from conftest import SCREENSHOTS
+
+TRAIN = '''
+import math, sys, time
+from gpuctl import run
+run.init()
+print("<b>bold</b> <script>alert(1)</script> \\x1b[31mred\\x1b[0m \\x1b]0;title\\x07done", flush=True)
+for i in range(1_000_000):
+    run.log({"train/loss": 2 * math.exp(-i / 40) + 0.01 * (i % 7), "train/acc": 1 - math.exp(-i / 60)}, step=i)
+    if i == 5:
+        run.log_event("lr_drop", {"lr": 0.01}, step=i)
+    print(f"step {i}", flush=True)
+    time.sleep(0.05)
+'''
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+def shot(page, name):
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.wait_for_timeout(300)     # let the last frame paint: a picture, not a check
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def chart_points(page, key):
+    return page.evaluate("(k) => { const c = window.gpuplane.charts[k];"
+                         " return c && c.u ? c.u.data[0].length : 0 }", key)
+
+
+def workdir(home):
+    wd = pathlib.Path(home) / "work"
+    wd.mkdir(exist_ok=True)
+    (wd / "train.py").write_text(TRAIN)
+    return wd
+
+
+def test_login_submit_watch_logs_and_curves_cancel_and_see_the_event(open_page, cluster):
+    server, _agent, home = cluster
+    wd = workdir(home)
+    w = open_page()
+    page = w.page
+    page.goto(server.url + "/")
+    page.wait_for_selector("#token")
+    shot(page, "login")
+    page.fill("#token", "not-a-token")
+    page.click("#login")
+    page.wait_for_selector("text=unknown or revoked")
+    assert w.errors == ["Failed to load resource: the server responded with a status of 401 (UNAUTHORIZED)"]
+    w.errors.clear()          # that 401 was the point
+    page.fill("#token", server.token)
+    page.click("#login")
+    page.wait_for_selector("#who .who-name")
+    assert "can write" in page.inner_text("#who")
+
+    page.goto(server.url + "/#/jobs/new")
+    page.fill("#name", "mnist-browser")
+    page.fill("#command", "python -u train.py --note 'two words'")
+    page.fill("#working_dir", str(wd))
+    page.fill("#gpus", "1")
+    page.fill("#project", "mnist")
+    page.fill("#experiment", "browser")
+    page.fill("#env", "LR=0.1")
+    page.click("#submit")
+    page.wait_for_url(re.compile(r".*#/jobs/\d+$"))
+    job_id = int(page.url.rsplit("/", 1)[1])
+    job = server.api.job(job_id)
+    assert job["command"] == ["python", "-u", "train.py", "--note", "two words"]
+    assert job["env"] == {"LR": "0.1"} and job["project"] == "mnist"
+
+    # Log lines arrive live; HTML and terminal escapes are inert text.
+    page.wait_for_selector("#log .line:has-text('step 3')")
+    first = page.locator("#log .line .tx").first
+    assert first.text_content() == "<b>bold</b> <script>alert(1)</script> red done"
+    assert page.locator("#log b, #log script, #log img").count() == 0
+    assert page.locator("#log .c-red").first.text_content() == "red"
+    page.fill("#log-search", "step 2")
+    page.wait_for_selector("#log-found:has-text('matching')")
+    page.fill("#log-search", "")
+    shot(page, "job")
+
+    # Its run: the curves draw from the server's series (the chart holds the points).
+    page.click("#open-run")
+    page.wait_for_url(re.compile(r".*#/runs/\d+$"))
+    page.wait_for_function("() => { const c = window.gpuplane.charts['train/loss'];"
+                           " return c && c.u && c.u.data[0].length >= 10 }")
+    data = page.evaluate("() => window.gpuplane.charts['train/loss'].u.data")
+    steps, means = data[0], data[3]
+    assert steps == sorted(steps) and steps[0] == 0
+    assert abs(means[0] - 2.0) < 1e-9       # step 0: 2 * exp(0) + 0
+    page.wait_for_selector("#run-events .event[data-type]:has-text('lr_drop')")
+    page.check("#logscale")
+    page.fill("#smoothing", "0.6")
+    page.dispatch_event("#smoothing", "input")
+    assert chart_points(page, "train/loss") >= 10
+    shot(page, "run")
+
+    # Zoom refetches the range at full resolution.
+    page.evaluate("() => window.gpuplane.charts['train/loss'].zoomTo(2, 6)")
+    zoomed = page.evaluate("() => window.gpuplane.charts['train/loss'].u.data[0]")
+    assert zoomed == [2, 3, 4, 5, 6]
+
+    # Cancel, with an in-page confirmation; then the event.
+    page.goto(f"{server.url}/#/jobs/{job_id}")
+    page.click("#cancel")
+    page.wait_for_selector("#confirm[open]")
+    page.click("#confirm-yes")
+    page.wait_for_selector(".page-head .badge:has-text('CANCELLED')", timeout=30_000)
+    page.goto(server.url + "/#/events")
+    page.wait_for_selector(f"#events .event[data-type='JOB_CANCELLED']:has-text('job {job_id}')")
+    shot(page, "events")
+    w.assert_clean()
+
+
+def test_token_link_logs_in_once_and_leaves_the_address_bar(open_page, cluster):
+    server = cluster[0]
+    w = open_page(token=server.token)
+    assert "token" not in w.page.url
+    assert w.page.evaluate("() => history.length") == 1 or "token" not in w.page.url
+    w.page.click("#logout")
+    w.page.wait_for_selector("#token")
+    assert w.page.evaluate("() => localStorage.getItem('gpuplane.token')") is None
+    w.assert_clean()
+
+
+def test_read_token_sees_no_write_controls(open_page, cluster):
+    server, _agent, home = cluster
+    read = server.api.post("/api/v1/tokens", {"name": "viewer", "scope": "read"}, expect=201)
+    queued = server.api.submit(["python", "train.py"], workdir(home), name="big", gpus=64)
+    failed = server.api.submit(["python", "train.py"], workdir(home), name="to-cancel", gpus=64)
+    server.api.post(f"/api/v1/jobs/{failed['id']}/cancel", expect=200)
+    w = open_page(token=read["token"])
+    page = w.page
+    assert "read only" in page.inner_text("#who")
+    page.goto(server.url + "/#/jobs")
+    page.wait_for_selector(f"tr[data-job='{queued['id']}']")
+    assert page.locator("#new-job").count() == 0
+    page.goto(f"{server.url}/#/jobs/{queued['id']}")
+    page.wait_for_selector("#job-name")
+    assert page.locator("#cancel, #retry").count() == 0
+    page.goto(f"{server.url}/#/jobs/{failed['id']}")
+    page.wait_for_selector(".page-head .badge:has-text('CANCELLED')")
+    assert page.locator("#cancel, #retry").count() == 0
+    page.goto(server.url + "/#/jobs/new")
+    page.wait_for_selector("text=can only read")
+    assert page.locator("#submit-form").count() == 0
+    server.api.post(f"/api/v1/jobs/{queued['id']}/cancel", expect=200)
+    w.assert_clean()
+
+
+def test_hostile_names_and_log_lines_render_as_inert_text(open_page, cluster):
+    server, _agent, home = cluster
+    wd = pathlib.Path(home) / "hostile"
+    wd.mkdir(exist_ok=True)
+    (wd / "say.py").write_text(
+        'print("<img src=x onerror=alert(2)> \\x1b[1;32mgreen\\x1b[0m \\x1b[2J<a href=javascript:alert(3)>x</a>")\n')
+    job = server.api.submit(["python", "say.py"], wd, name=HOSTILE, cpu_only=True,
+                            project="<b>p</b>")
+    server.api.wait_job(job["id"])
+    w = open_page(token=server.token)
+    page = w.page
+    for where in ("#/", "#/jobs", f"#/jobs/{job['id']}", "#/runs", "#/events", "#/experiments"):
+        page.goto(server.url + "/" + where)
+        page.wait_for_selector(f"text={HOSTILE}")
+        assert page.locator("main img, main b, main script, main a[href^='javascript']").count() == 0
+    page.goto(f"{server.url}/#/jobs/{job['id']}")
+    line = page.wait_for_selector("#log .line .tx")
+    assert line.text_content() == "<img src=x onerror=alert(2)> green <a href=javascript:alert(3)>x</a>"
+    assert page.locator("#log .c-green.c-bold").count() == 1
+    w.assert_clean()
+
+
+def test_every_page_without_console_errors_at_desktop_and_phone_width(open_page, cluster):
+    server = cluster[0]
+    runs = server.api.get("/api/v1/runs", expect=200)["runs"]
+    pages = {"overview": "#/", "jobs": "#/jobs", "runs": "#/runs", "experiments": "#/experiments",
+             "events": "#/events", "metrics": "#/metrics", "submit": "#/jobs/new"}
+    if runs:
+        pages["run-page"] = f"#/runs/{runs[-1]['id']}"
+    for width, scheme, suffix in ((1280, "light", ""), (390, "dark", "-phone")):
+        w = open_page(token=server.token, width=width, height=844 if suffix else 900, scheme=scheme)
+        page = w.page
+        for name, where in pages.items():
+            page.goto(server.url + "/" + where)
+            page.wait_for_selector(".page")
+            page.wait_for_load_state("networkidle") if False else None
+            page.wait_for_selector(".page h1")
+            if name == "overview":
+                page.wait_for_selector("#nodes .node[data-node='gpu-box'] tr[data-gpu='1']")
+                assert page.locator("#nodes tr[data-gpu]").count() == 2
+            if suffix == "" and name in ("overview", "jobs", "experiments", "metrics", "submit"):
+                shot(page, name)
+            if suffix and name in ("overview", "run-page"):
+                shot(page, name + suffix)
+        # Keyboard: the navigation is reachable by Tab from the top of the page.
+        page.goto(server.url + "/#/")
+        page.evaluate("() => document.activeElement && document.activeElement.blur()")
+        reached = []
+        for _ in range(4):
+            page.keyboard.press("Tab")
+            reached.append(page.evaluate("() => document.activeElement.textContent.trim()"))
+        assert "Skip to content" in reached and "Jobs" in reached, reached
+        # One stream for the whole tab, whatever the pages opened.
+        assert page.evaluate("() => window.gpuplane.live.state") == "live"
+        w.assert_clean()
