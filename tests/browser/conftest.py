@@ -7,6 +7,7 @@ browser context (its own storage, so its own login).
 import os
 import pathlib
 import shutil
+import tempfile
 
 import pytest
 
@@ -20,7 +21,10 @@ from procs import AgentProc, ServerProc
 CHROMIUM = os.environ.get("GPUPLANE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SCREENSHOTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+# Screenshots of every page go to a temporary folder; to refresh the ones the README shows:
+#   GPUPLANE_SCREENSHOTS=docs/screenshots .venv/bin/python -m pytest tests/browser
+SCREENSHOTS = pathlib.Path(os.environ.get("GPUPLANE_SCREENSHOTS")
+                           or pathlib.Path(tempfile.gettempdir()) / "gpuplane-screenshots")
 
 if sync_playwright is None:
     pytest.skip("the playwright package is missing: pip install -e '.[test]'",
