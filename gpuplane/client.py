@@ -243,6 +243,14 @@ class Client:
     def retry_job(self, job_id):
         return self.post(f"jobs/{job_id}/retry")
 
+    def hold_job(self, job_id, held=True):
+        return self.post(f"jobs/{job_id}/{'hold' if held else 'release'}")
+
+    def edit_job(self, job_id, **fields):
+        """Change a queued job: priority, after or after_any (None values are left out)."""
+        return self.request("PATCH", f"jobs/{job_id}",
+                            body={k: v for k, v in fields.items() if v is not None})
+
     def logs(self, job_id, tail=None):
         """{"lines": [...], "job_state"}: the lines the server keeps (the last 2000)."""
         return self.get(f"jobs/{job_id}/logs", tail=tail)

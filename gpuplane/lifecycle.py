@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 QUEUED, DISPATCHED, STARTED = "QUEUED", "DISPATCHED", "STARTED"
 SUCCEEDED, FAILED, CANCELLED, RETRIED = "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED"
 NODE_UP, NODE_DOWN = "NODE_UP", "NODE_DOWN"
+HELD, RELEASED = "HELD", "RELEASED"
 TYPES = (QUEUED, DISPATCHED, STARTED, SUCCEEDED, FAILED, CANCELLED, RETRIED, NODE_UP,
-         NODE_DOWN)
+         NODE_DOWN, HELD, RELEASED)
 
 # What the agent reports as a lost attempt, and the kind the job records for it.
 TRANSIENT_ALIASES = {"LOST": "NODE_LOST"}
@@ -143,7 +144,8 @@ class Lifecycle:
         with self._tx(t) as t:
             job_id = jobs.insert(t.conn, spec, now_ms())
             job = jobs.fetch(t.conn, job_id)
-            self._event(t, QUEUED, f"job {job_id} ({job['name']}) queued", job=job)
+            self._event(t, QUEUED, f"job {job_id} ({job['name']}) queued"
+                        + (" held" if job["held"] else ""), job=job)
         return job
 
     def assign(self, job_id, node, gpu_indices, t=None):
@@ -273,6 +275,51 @@ class Lifecycle:
                         job=job, run_id=None, node=None)
         return job, True
 
+    def dependency_failed(self, job_id, message, t=None):
+        """A queued job can never start: a job it runs `--after` did not succeed. FAILED
+        with DEPENDENCY_FAILED, final. Returns whether it changed."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["state"] != "QUEUED":
+                return False
+            jobs.set_ended(t.conn, job_id, "FAILED", "DEPENDENCY_FAILED", None, message,
+                           now_ms())
+            self._event(t, FAILED, f"job {job_id} ({job['name']}) failed: {message}",
+                        job=job, run_id=None, node=None, severity="warning",
+                        data={"failure_kind": "DEPENDENCY_FAILED"})
+        return True
+
+    def hold(self, job_id, held=True, t=None):
+        """Keep a queued job from starting (or let it start again). Returns (job,
+        accepted); only a QUEUED job can be held or released."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["state"] != "QUEUED":
+                return job, False
+            if job["held"] == held:
+                return job, True
+            jobs.set_held(t.conn, job_id, held)
+            job = jobs.fetch(t.conn, job_id)
+            self._event(t, HELD if held else RELEASED,
+                        f"job {job_id} ({job['name']}) " + ("held" if held else "released"),
+                        job=job, run_id=None, node=None)
+        return job, True
+
+    def edit_queued(self, job_id, *, priority=None, depends_on=None, depends_any=None,
+                    t=None):
+        """Change a queued job's priority or dependencies. Returns (job, accepted).
+        Raises ValueError with a sentence for a dependency cycle or an unknown job."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            if job is None or job["state"] != "QUEUED":
+                return job, False
+            if depends_on is not None:
+                check_dependencies(t.conn, depends_on, job_id)
+            jobs.set_queued_fields(t.conn, job_id, priority, depends_on, depends_any)
+            t.wake = t.publish = True
+            job = jobs.fetch(t.conn, job_id)
+        return job, True
+
     # -- nodes ----------------------------------------------------------------------------
 
     def node_up(self, hello, t=None):
@@ -328,3 +375,26 @@ class Lifecycle:
             if runs.finish(t.conn, run_id, status):
                 self._event(t, status, f"run {run_id} {status.lower()}", run_id=run_id,
                             wake=False, severity="warning" if status == "FAILED" else "info")
+
+
+def check_dependencies(conn, depends_on, job_id=None):
+    """Refuse unknown jobs and cycles (ValueError with a sentence naming them)."""
+    for dep in depends_on:
+        if dep == job_id:
+            raise ValueError(f"job {job_id} cannot run after itself")
+        if jobs.fetch(conn, dep) is None:
+            raise ValueError(f"job {dep} does not exist; --after takes ids from "
+                             "`gpuplane job list`")
+    if job_id is None:
+        return      # a new job: nothing can depend on it yet
+    graph = jobs.dependency_map(conn)
+    graph[job_id] = list(depends_on)
+    seen, stack = set(), list(depends_on)
+    while stack:
+        current = stack.pop()
+        if current == job_id:
+            raise ValueError(f"that makes a cycle: job {job_id} would wait for itself "
+                             "through its dependencies")
+        if current not in seen:
+            seen.add(current)
+            stack.extend(graph.get(current, []))

@@ -70,6 +70,11 @@ class Scheduler(Worker):
             return
         free, all_nodes = self.free_slots()
         for job in queue:
+            blocked = self._blocked(job)
+            if blocked:
+                if blocked != job["pending_reason"]:
+                    jobs.set_pending_reason(self.db, job["id"], blocked)
+                continue
             node, gpu_indices = self._place(job, free)
             if node is None:
                 reason = self._why_waiting(job, all_nodes)
@@ -84,6 +89,31 @@ class Scheduler(Worker):
                           cpu_left - (1 if job["cpu_only"] else 0))
             log.info("job %d attempt %d → %s %s", job["id"], assigned["attempt"], node,
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
+
+    def _blocked(self, job):
+        """Why a queued job may not start whatever the slots: held, or a dependency not
+        yet done (a dependency that failed fails the job). None when it may start."""
+        if job["held"]:
+            return f"held; `gpuplane job release {job['id']}` lets it start"
+        if not job["depends_on"]:
+            return None
+        found = jobs.states(self.db, job["depends_on"])
+        waiting = []
+        for dep in job["depends_on"]:
+            state, name = found.get(dep, ("MISSING", "?"))
+            if job["depends_any"]:
+                if state not in jobs.FINAL:
+                    waiting.append(f"job {dep} ({name}, {state}) to end")
+            elif state in ("FAILED", "CANCELLED", "MISSING"):
+                self.lifecycle.dependency_failed(
+                    job["id"], f"job {dep} ({name}) ended {state}; this job runs only "
+                    "after it succeeded (`--after-any` runs after any end)")
+                return "dependency failed"
+            elif state != "SUCCEEDED":
+                waiting.append(f"job {dep} ({name}, {state}) to succeed")
+        if waiting:
+            return "waiting for " + ", ".join(waiting)
+        return None
 
     @staticmethod
     def _place(job, free):

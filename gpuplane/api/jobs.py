@@ -5,6 +5,7 @@ import posixpath
 
 from flask import Blueprint, Response, current_app, request
 
+from .. import lifecycle
 from ..auth import requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound
@@ -56,6 +57,7 @@ def parse_job_spec(data):
             raise BadRequest(f"'env' must map names to string values (no '=' in names); "
                              f"bad entry {k!r}")
     name = field(data, "name", str, "", max_len=200).strip() or os.path.basename(command[0])
+    depends_on, depends_any = _dependencies(data)
     return {
         "name": name, "command": command, "working_dir": working_dir,
         "gpus": gpus, "cpu_only": cpu_only,
@@ -66,7 +68,31 @@ def parse_job_spec(data):
         "experiment": field(data, "experiment", str, "", max_len=200),
         "tb_dir": field(data, "tb_dir", str, None, max_len=4096, nullable=True),
         "watch_dir": field(data, "watch_dir", str, None, max_len=4096, nullable=True),
+        "depends_on": depends_on, "depends_any": depends_any,
+        "held": field(data, "held", bool, False),
     }
+
+
+def _dependencies(data, job_id=None, required=False):
+    """'after' (ids that must succeed first) or 'after_any' (ids that must end first):
+    (ids, any?) checked against the jobs that exist; (None, None) when neither is given."""
+    after, after_any = data.get("after"), data.get("after_any")
+    if after is not None and after_any is not None:
+        raise BadRequest("give 'after' (start when those succeeded) or 'after_any' (start "
+                         "when those ended in any state), not both")
+    ids = after if after is not None else after_any
+    if ids is None:
+        return ([], False) if not required else (None, None)
+    if (not isinstance(ids, list) or len(ids) > 100 or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 < i < 2**63 for i in ids)):
+        raise BadRequest("'after' / 'after_any' must be a list of job ids (at most 100), "
+                         "e.g. [12, 13]")
+    ids = sorted(set(ids))
+    try:
+        lifecycle.check_dependencies(current_db().conn, ids, job_id)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return ids, after_any is not None
 
 
 @bp.post("/jobs")
@@ -123,6 +149,49 @@ def retry(job_id):
     if not ok:
         raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
                        "be retried (cancel it first)")
+    return job
+
+
+def _queued_only(job, verb):
+    raise Conflict(f"job {job['id']} is {job['state']}; only a QUEUED job can be {verb}")
+
+
+@bp.post("/jobs/<int:job_id>/hold")
+@requires("write")
+def hold(job_id):
+    _job_or_404(job_id)
+    job, ok = current_lifecycle().hold(job_id, True)
+    if not ok:
+        _queued_only(job, "held")
+    return job
+
+
+@bp.post("/jobs/<int:job_id>/release")
+@requires("write")
+def release(job_id):
+    _job_or_404(job_id)
+    job, ok = current_lifecycle().hold(job_id, False)
+    if not ok:
+        _queued_only(job, "released")
+    return job
+
+
+@bp.patch("/jobs/<int:job_id>")
+@requires("write")
+def edit(job_id):
+    """Change a queued job: 'priority', 'after' or 'after_any'."""
+    _job_or_404(job_id)
+    data = body()
+    unknown = set(data) - {"priority", "after", "after_any"}
+    if unknown:
+        raise BadRequest(f"a queued job's {', '.join(sorted(map(repr, unknown)))} cannot be "
+                         "changed; only 'priority', 'after' and 'after_any' can")
+    priority = field(data, "priority", int, None, min=-1000, max=1000, nullable=True)
+    depends_on, depends_any = _dependencies(data, job_id, required=True)
+    job, ok = current_lifecycle().edit_queued(job_id, priority=priority,
+                                              depends_on=depends_on, depends_any=depends_any)
+    if not ok:
+        _queued_only(job, "edited")
     return job
 
 

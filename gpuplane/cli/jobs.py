@@ -6,7 +6,7 @@ import os
 import pathlib
 import shlex
 
-from .common import (EXIT_OK, FINAL_STATES, JOB_STATES, ago, clean_line, clock, command,
+from .common import (EXIT_OK, CliError, FINAL_STATES, JOB_STATES, ago, clean_line, clock, command,
                      command_text, describe_end, duration, env_pair, follow_job, gpu_list,
                      job_id_type, make_client, note, outcome_code, parents, positive_int,
                      print_json, print_table, wants)
@@ -47,6 +47,9 @@ def add_parser(subparsers):
     p.add_argument("--experiment", metavar="E", help="experiment of the job's runs")
     p.add_argument("--tb-dir", metavar="D", help="TensorBoard log directory to tail")
     p.add_argument("--watch", metavar="D", help="checkpoint directory to watch")
+    add_dependency_options(p)
+    p.add_argument("--hold", action="store_true",
+                   help="queue it held: it starts only after `gpuplane job release ID`")
     p.add_argument("--follow", "-f", action="store_true",
                    help="stream the logs until the job ends; exit with its outcome")
     p.add_argument("--color", "--colour", dest="colour", action="store_true",
@@ -75,6 +78,19 @@ def add_parser(subparsers):
                 parents=(conn, js))
     p.add_argument("job_id", type=job_id_type, metavar="ID")
     p.set_defaults(func=cmd_job_retry)
+
+    for name, verb in (("hold", "keep a queued job from starting until it is released"),
+                       ("release", "let a held job start")):
+        p = command(jsub, name, verb, parents=(conn, js))
+        p.add_argument("job_id", type=job_id_type, metavar="ID")
+        p.set_defaults(func=cmd_job_hold, held=name == "hold")
+
+    p = command(jsub, "edit", "change a queued job's priority or what it runs after",
+                parents=(conn, js))
+    p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.add_argument("--priority", type=int, metavar="P", help="higher runs first")
+    add_dependency_options(p)
+    p.set_defaults(func=cmd_job_edit)
 
     p = command(subparsers, "logs", "print a job's logs (the server keeps the last 2000 lines)",
                 parents=(conn, js))
@@ -105,6 +121,9 @@ def job_body(args):
         "experiment": args.experiment,
         "tb_dir": args.tb_dir,
         "watch_dir": args.watch,
+        "after": args.after,
+        "after_any": args.after_any,
+        "held": True if args.hold else None,
     }
     working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
     return command, working_dir, fields
@@ -203,6 +222,10 @@ def cmd_job_show(args):
         ("exit code", job.get("exit_code")),
         ("failure", job.get("failure_kind")),
         ("why", job.get("message") if job.get("state") != "SUCCEEDED" else None),
+        ("after", (("any end of " if job.get("depends_any") else "")
+                   + ", ".join(f"job {d}" for d in job["depends_on"]))
+         if job.get("depends_on") else None),
+        ("held", "yes (`gpuplane job release`)" if job.get("held") else None),
         ("waiting", job.get("pending_reason")),
     ]
     width = max(len(k) for k, _ in fields)
@@ -249,6 +272,51 @@ def cmd_job_retry(args):
     else:
         print(f"job {job['id']} {job['state']} again (attempt {job.get('attempt')} "
               f"of {job.get('max_attempts')})")
+    return EXIT_OK
+
+
+def _id_list(text):
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected job ids separated by commas, e.g. 12,13; got {text!r}") from None
+    if not ids or min(ids) < 1:
+        raise argparse.ArgumentTypeError(f"expected job ids (1 or more), got {text!r}")
+    return ids
+
+
+def add_dependency_options(p):
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--after", type=_id_list, metavar="IDS",
+                   help="start only after these jobs SUCCEEDED (e.g. 12,13); if one fails "
+                        "or is cancelled this job fails with DEPENDENCY_FAILED")
+    g.add_argument("--after-any", type=_id_list, metavar="IDS",
+                   help="start after these jobs ended, in any state")
+
+
+def cmd_job_hold(args):
+    job = make_client(args).hold_job(args.job_id, args.held)
+    if args.json:
+        print_json(job)
+    else:
+        print(f"job {job['id']} " + ("held: it stays queued until `gpuplane job release "
+                                     f"{job['id']}`" if args.held else "released"))
+    return EXIT_OK
+
+
+def cmd_job_edit(args):
+    if args.priority is None and args.after is None and args.after_any is None:
+        raise CliError("nothing to change; give --priority, --after or --after-any")
+    job = make_client(args).edit_job(args.job_id, priority=args.priority, after=args.after,
+                                     after_any=args.after_any)
+    if args.json:
+        print_json(job)
+    else:
+        deps = job.get("depends_on") or []
+        print(f"job {job['id']} priority {job.get('priority')}"
+              + (f", after {'any end of ' if job.get('depends_any') else ''}"
+                 f"{', '.join(map(str, deps))}" if deps else ""))
     return EXIT_OK
 
 

@@ -202,8 +202,17 @@ CREATE TABLE metric_dirty (
 );
 """
 
+# Job dependencies and holds (gpuplane/lifecycle.py, docs/cli.md): a queued job starts only
+# after the jobs in `depends_on` succeeded (or ended in any state with depends_any); a held
+# job is skipped by the scheduler until released.
+SCHEMA_V3_JOB_DEPENDENCIES = """
+ALTER TABLE jobs ADD COLUMN depends_on TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE jobs ADD COLUMN depends_any INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN held INTEGER NOT NULL DEFAULT 0;
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
-MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS]
+MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES]
 
 
 class NestedTransaction(RuntimeError):

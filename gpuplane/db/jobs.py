@@ -9,7 +9,7 @@ from . import dumps, loads
 
 ACTIVE = ("DISPATCHED", "RUNNING")
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
-FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED")   # never retried automatically
+FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED")  # never retried automatically
 
 
 def to_dict(row):
@@ -21,6 +21,9 @@ def to_dict(row):
     d["gpu_indices"] = loads(d["gpu_indices"])
     d["cpu_only"] = bool(d["cpu_only"])
     d["cancel_requested"] = bool(d["cancel_requested"])
+    d["depends_on"] = loads(d.get("depends_on"), [])
+    d["depends_any"] = bool(d.get("depends_any"))
+    d["held"] = bool(d.get("held"))
     return d
 
 
@@ -72,12 +75,14 @@ def insert(conn, spec, ts):
     cur = conn.execute(
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
-        " created_at, queued_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " depends_on, depends_any, held, created_at, queued_at)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
          spec.get("tb_dir"), spec.get("watch_dir"), spec.get("parent_checkpoint_id"),
-         ts, ts))
+         dumps(spec.get("depends_on") or []), int(bool(spec.get("depends_any"))),
+         int(bool(spec.get("held"))), ts, ts))
     return cur.lastrowid
 
 
@@ -111,6 +116,38 @@ def set_ended(conn, job_id, state, failure_kind, exit_code, message, ts):
 
 def set_cancel_requested(conn, job_id):
     conn.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+
+
+def states(db, job_ids):
+    """{job id: (state, name)} of the given jobs that exist."""
+    ids = sorted({int(i) for i in job_ids})
+    if not ids:
+        return {}
+    rows = db.query(f"SELECT id, state, name FROM jobs WHERE id IN ({','.join('?' * len(ids))})",
+                    ids)
+    return {r["id"]: (r["state"], r["name"]) for r in rows}
+
+
+def dependency_map(conn):
+    """{job id: [ids it depends on]} for every job with dependencies."""
+    return {r["id"]: loads(r["depends_on"], []) for r in conn.execute(
+        "SELECT id, depends_on FROM jobs WHERE depends_on != '[]'")}
+
+
+def set_held(conn, job_id, held):
+    conn.execute("UPDATE jobs SET held = ?, pending_reason = NULL WHERE id = ?"
+                 " AND state = 'QUEUED'", (int(held), job_id))
+
+
+def set_queued_fields(conn, job_id, priority=None, depends_on=None, depends_any=None):
+    """Edit a queued job's place in the queue or what it waits for."""
+    if priority is not None:
+        conn.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id))
+    if depends_on is not None:
+        conn.execute("UPDATE jobs SET depends_on = ?, pending_reason = NULL WHERE id = ?",
+                     (dumps(depends_on), job_id))
+    if depends_any is not None:
+        conn.execute("UPDATE jobs SET depends_any = ? WHERE id = ?", (int(depends_any), job_id))
 
 
 def set_queued_by_hand(conn, job_id, ts):
