@@ -256,6 +256,8 @@ def test_agent_killed_while_a_job_runs_readopts_it_and_records_its_exit(
     api, cmd = live_server.api, gated(tmp_path)
     j = api.submit(cmd("survivor"), tmp_path, gpus=1)
     wait_for(lambda: api.job(j["id"])["state"] == "RUNNING", what="job running")
+    # RUNNING means spawned; the script writes its start line a moment later
+    wait_for(lambda: len(starts(tmp_path)) == 1, what="the job's own start line")
     agent.kill()
     wait_for(lambda: agent.node()["state"] == "disconnected", what="node disconnected")
     assert len(starts(tmp_path)) == 1
