@@ -229,7 +229,7 @@ class Gpuplane:
             raise ToolFailure(
                 f"WriteScopeError: {tool} changes the platform and this token "
                 f"({who.get('name')!r}) has {who.get('scope')} scope; restart gpuplane-mcp with "
-                "a write token (`gpuplane token create NAME --scope write`)")
+                "a write token (`gpuplane token create --name NAME --scope write`)")
 
     def whoami_cached(self):
         with self._lock:
