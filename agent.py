@@ -1,12 +1,17 @@
 """GPUPlane agent: runs jobs on one GPU host and reports everything to the server.
 
-One file on purpose: copy it to a GPU box and run `python agent.py --server URL --token T`.
-It speaks only the wire protocol in docs/protocol.md and imports nothing of the server.
+One file on purpose: copy it to a GPU box, put `server` and `token` in
+$GPUCTL_HOME/agent.toml (or GPUCTL_SERVER / GPUCTL_TOKEN in the environment) and run
+`python agent.py`. It speaks only the wire protocol in docs/protocol.md and imports nothing
+of the server.
 
-Sections: config, small helpers, outbox, runner + shim, tailing hooks (TensorBoard,
-checkpoints), node stats, connection, agent + main.
+Sections: config, small helpers, outbox, runner (launcher, log tail, TensorBoard and
+checkpoint hooks), shim, TensorBoard tailing, node stats, connection, agent + main.
 """
 import argparse
+import array
+import collections
+import errno
 import json
 import logging
 import math
@@ -53,7 +58,8 @@ class ConfigError(Exception):
 
 class Config:
     def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=4,
-                 heartbeat_s=5.0, stats_interval_s=10.0):
+                 heartbeat_s=5.0, stats_interval_s=10.0, job_retention_days=14.0,
+                 backlog_mb=32.0):
         self.server = server
         self.token = token
         self.name = name
@@ -62,6 +68,8 @@ class Config:
         self.cpu_slots = int(cpu_slots)
         self.heartbeat_s = float(heartbeat_s)
         self.stats_interval_s = float(stats_interval_s)
+        self.job_retention_days = float(job_retention_days)
+        self.backlog_mb = float(backlog_mb)
 
     @property
     def agent_dir(self):
@@ -117,7 +125,9 @@ def load_config(args):
                   fake_gpus=pick(args.fake_gpus, "fake_gpus", 0),
                   cpu_slots=pick(args.cpu_slots, "cpu_slots", 4),
                   heartbeat_s=pick(args.heartbeat, "heartbeat_s", 5.0),
-                  stats_interval_s=pick(args.stats_interval, "stats_interval_s", 10.0))
+                  stats_interval_s=pick(args.stats_interval, "stats_interval_s", 10.0),
+                  job_retention_days=toml.get("job_retention_days", 14.0),
+                  backlog_mb=toml.get("backlog_mb", 32.0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,9 +138,24 @@ def now_ms():
     return int(time.time() * 1000)
 
 
-def write_json_atomic(path, obj, private=False):
-    """tmp file, fsync, rename; the one copy lives in SHIM_SOURCE (the shim needs it too)."""
-    _shim_write(path, obj, 0o600 if private else 0o644)
+def write_json_atomic(path, obj, private=True):
+    """tmp file, fsync, rename; the one copy lives in SHIM_SOURCE (the shim needs it too).
+    Every file under the agent's home is private to its user."""
+    _shim_write(path, obj, 0o600)
+
+
+def _private_opener(path, flags):
+    return os.open(path, flags, 0o600)
+
+
+def make_private_dirs(path):
+    """makedirs with mode 0700, and tighten it if it already existed."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)
+    except OSError:
+        pass
 
 
 def read_json(path):
@@ -207,10 +232,23 @@ class Worker:
 # Records are appended (flushed, fsynced) to agent/spool/outbox.jsonl before they can be
 # sent. A record may carry a private `_att` field, {"key": "<job>/<attempt>", ...}, with the
 # attempt's tail state after that record (log offset, line_no, TB offsets, reported flags);
-# it is stripped from the wire. Because it is written in the same line as the data, the
-# tail position and the data it produced can never disagree after a crash.
+# it is written last in the line and cut off for the wire. Because it is written in the
+# same line as the data, the tail position and the data it produced can never disagree
+# after a crash.
 # agent/state.json holds epoch, next_seq, acked and a snapshot of all attempt states as of
 # `snapshot_seq`; on start the spool records above snapshot_seq are folded on top of it.
+# Memory holds only where each unacked record sits in the spool (three integers a record);
+# batches are read back from the file, so a long outage costs disk, not memory.
+
+def _spool_line(rec, att):
+    """-> (line bytes, wire prefix length): the wire form is line[:n] + b"}"."""
+    wire = json.dumps(rec, separators=(",", ":")).encode()
+    if att:
+        line = wire[:-1] + b',"_att":' + json.dumps(att, separators=(",", ":")).encode() + b"}\n"
+    else:
+        line = wire + b"\n"
+    return line, len(wire) - 1
+
 
 class Outbox:
     def __init__(self, agent_dir, compact_min=1000):
@@ -218,100 +256,105 @@ class Outbox:
         self.spool_dir = os.path.join(agent_dir, "spool")
         self.spool_path = os.path.join(self.spool_dir, "outbox.jsonl")
         self.state_path = os.path.join(agent_dir, "state.json")
-        os.makedirs(self.spool_dir, exist_ok=True)
+        make_private_dirs(self.spool_dir)
         self.lock = threading.RLock()
         self.compact_min = compact_min
         self.epoch = None
         self.next_seq = 1
         self.acked = 0
-        self.attempts = {}        # key -> tail/report state (see above)
-        self._pending = []        # [seq, full record dict, wire json] with seq > acked
+        self.attempts = {}          # key -> tail/report state (see above)
+        # where the unacked records (seq acked+1, acked+2, ...) sit in the spool
+        self._offs = array.array("q")     # line start
+        self._lens = array.array("q")     # line length
+        self._cuts = array.array("q")     # wire prefix length
         self._spool = None
-        self._dropped_lines = 0   # acked lines still in the spool file
-        self.last_job_seq = 0     # seq of the newest `job` record
+        self._reader = None
+        self._dropped_lines = 0     # acked lines still in the spool file
+        self.last_job_seq = 0       # seq of the newest `job` record
+        self.listeners = []         # called (outside the lock) after each append
         self._load()
 
     # -- start-up ------------------------------------------------------------------------
 
+    def _scan_spool(self, quiet=False):
+        """Yield the spool's records in file order, skipping torn or unparseable lines."""
+        try:
+            f = open(self.spool_path, "rb")
+        except FileNotFoundError:
+            return
+        with f:
+            prev = None
+            for i, line in enumerate(f, start=1):
+                if prev is not None:
+                    yield prev
+                prev = None
+                try:
+                    rec = json.loads(line)
+                    rec["seq"] = int(rec["seq"])
+                    rec["kind"]
+                    prev = rec
+                except (ValueError, KeyError, TypeError):
+                    if quiet:
+                        continue
+                    if not line.endswith(b"\n"):
+                        log.warning("outbox: skipping a torn last line in %s (crash mid-write?)",
+                                    self.spool_path)
+                    else:
+                        log.warning("outbox: skipping unparseable line %d in %s", i,
+                                    self.spool_path)
+            if prev is not None:
+                yield prev
+
     def _load(self):
         state = read_json(self.state_path)
         spool_exists = os.path.exists(self.spool_path)
-        records = self._read_spool()
-        if state is None:
-            self.epoch = None
-            self._pending = [[r["seq"], r, None] for r in records]
-            for r in records:
-                if "_att" in r:
-                    self._fold(r["_att"])
-            self._new_epoch("no state.json" if records else None)
-        else:
+        snapshot = 0
+        if state is not None:
             self.epoch = state["epoch"]
             self.acked = int(state.get("acked", 0))
-            self.next_seq = max(int(state.get("next_seq", 1)),
-                                max((r["seq"] for r in records), default=0) + 1)
             self.attempts = state.get("attempts", {})
             snapshot = int(state.get("snapshot_seq", 0))
-            for r in records:
-                if r["seq"] > snapshot and "_att" in r:
-                    self._fold(r["_att"])
-            self._pending = [[r["seq"], r, _wire(r)] for r in records if r["seq"] > self.acked]
-            lost = not spool_exists and self.next_seq - 1 > self.acked
-            if lost or not self._contiguous():
-                # The server would wait forever for the missing seqs: start over.
-                self._new_epoch("spool lost" if lost else "gap in spool")
-        self.last_job_seq = max((p[0] for p in self._pending if p[1]["kind"] == "job"),
-                                default=0)
-        self._rewrite()         # always: drops acked and torn lines, writes renumbered seqs
-        log.info("outbox: epoch %s, next seq %d, acked %d, %d pending",
-                 self.epoch, self.next_seq, self.acked, len(self._pending))
-
-    def _read_spool(self):
-        records = []
-        try:
-            with open(self.spool_path, "rb") as f:
-                lines = f.read().split(b"\n")
-        except FileNotFoundError:
-            return records
-        if lines and lines[-1] == b"":
-            lines.pop()
-        for i, line in enumerate(lines):
-            try:
-                rec = json.loads(line)
-                rec["seq"] = int(rec["seq"])
-                rec["kind"]
-            except (ValueError, KeyError, TypeError):
-                if i == len(lines) - 1:
-                    log.warning("outbox: skipping a torn last line in %s (crash mid-write?)",
-                                self.spool_path)
-                else:
-                    log.warning("outbox: skipping unparseable line %d in %s", i + 1,
-                                self.spool_path)
+        # one pass to learn the seqs and fold tail states; records stay on disk
+        seqs, job_seqs, last = [], [], 0
+        ordered = True
+        for r in self._scan_spool():
+            if (state is None or r["seq"] > snapshot) and "_att" in r:
+                self._fold(r["_att"])
+            if state is not None and r["seq"] <= self.acked:
                 continue
-            records.append(rec)
-        records.sort(key=lambda r: r["seq"])
-        return records
+            ordered = ordered and r["seq"] > last
+            last = r["seq"]
+            seqs.append(r["seq"])
+            if r["kind"] == "job":
+                job_seqs.append(r["seq"])
+        renumber, keep_after = False, self.acked
+        if state is None:
+            self.epoch = None
+            renumber = self._new_epoch("no state.json" if seqs else None, len(seqs))
+        else:
+            self.next_seq = max(int(state.get("next_seq", 1)), (seqs[-1] if seqs else 0) + 1)
+            lost = not spool_exists and self.next_seq - 1 > self.acked
+            contiguous = ordered and seqs == list(range(self.acked + 1, self.acked + 1 + len(seqs))) \
+                and (not seqs or seqs[-1] == self.next_seq - 1)
+            if lost or not contiguous:
+                # The server would wait forever for the missing seqs: start over.
+                renumber = self._new_epoch("spool lost" if lost else "gap in spool", len(seqs))
+        self._rewrite(renumber=renumber, keep_after=keep_after)   # drops acked and torn lines, writes renumbered seqs
+        log.info("outbox: epoch %s, next seq %d, acked %d, %d pending",
+                 self.epoch, self.next_seq, self.acked, len(self._offs))
 
-    def _contiguous(self):
-        seqs = [p[0] for p in self._pending]
-        expected = list(range(self.acked + 1, self.acked + 1 + len(seqs)))
-        return seqs == expected and (not seqs or seqs[-1] == self.next_seq - 1)
-
-    def _new_epoch(self, reason):
-        """Start a fresh epoch; pending records are renumbered from 1 (the server resets
-        its cursor to 0 for a new epoch; natural keys keep replays from doubling)."""
+    def _new_epoch(self, reason, pending):
+        """Start a fresh epoch; pending records get renumbered from 1 by the next rewrite
+        (the server resets its cursor to 0 for a new epoch; natural keys keep replays from
+        doubling). -> True."""
         old = self.epoch
         self.epoch = os.urandom(8).hex()
         self.acked = 0
-        for i, p in enumerate(self._pending, start=1):
-            p[0] = i
-            p[1]["seq"] = i
-            p[2] = _wire(p[1])
-        self.next_seq = len(self._pending) + 1
-        self.last_job_seq = max((p[0] for p in self._pending if p[1]["kind"] == "job"),
-                                default=0)
+        self.next_seq = pending + 1
         if reason:
             log.warning("outbox: new epoch %s (was %s): %s; %d records renumbered",
-                        self.epoch, old, reason, len(self._pending))
+                        self.epoch, old, reason, pending)
+        return True
 
     def _fold(self, att):
         key = att.get("key")
@@ -326,25 +369,29 @@ class Outbox:
         with self.lock:
             rec = {"seq": self.next_seq, "kind": kind, "ts": fields.pop("ts", now_ms())}
             rec.update(fields)
-            if att:
-                rec["_att"] = att
-            line = json.dumps(rec, separators=(",", ":")) + "\n"
+            line, cut = _spool_line(rec, att)
             where = self._spool.tell()
             try:
-                self._spool.write(line.encode())
+                self._spool.write(line)
                 self._spool.flush()
                 os.fsync(self._spool.fileno())
             except OSError:
                 # e.g. disk full: never leave half a line for the next record to glue onto
                 self._spool.truncate(where)
+                self._spool.seek(0, os.SEEK_END)
                 raise
             self.next_seq += 1
-            self._pending.append([rec["seq"], rec, _wire(rec)])
+            self._offs.append(where)
+            self._lens.append(len(line))
+            self._cuts.append(cut)
             if kind == "job":
                 self.last_job_seq = rec["seq"]
             if att:
                 self._fold(att)
-            return rec["seq"]
+            seq = rec["seq"]
+        for fn in self.listeners:
+            fn()
+        return seq
 
     def attempt_state(self, key):
         with self.lock:
@@ -363,16 +410,35 @@ class Outbox:
     def pending_after(self, seq, max_records=BATCH_MAX_RECORDS, max_bytes=BATCH_MAX_BYTES):
         """Up to one batch of (seq, wire json) with seq > `seq`, in order."""
         with self.lock:
-            out, size = [], 0
             start = max(0, seq - self.acked)      # pending is contiguous from acked + 1
-            for s, _rec, wire in self._pending[start:]:
-                if s <= seq:
-                    continue
-                if out and (len(out) >= max_records or size + len(wire) > max_bytes):
+            end, size = start, 0
+            while end < len(self._offs):
+                n = self._cuts[end] + 2
+                if end > start and (end - start >= max_records or size + n > max_bytes):
                     break
-                out.append((s, wire))
-                size += len(wire) + 1
+                size += n
+                end += 1
+            if end == start:
+                return []
+            base = self._offs[start]
+            self._reader.seek(base)
+            data = self._reader.read(self._offs[end - 1] + self._lens[end - 1] - base)
+            out = []
+            for i in range(start, end):
+                at = self._offs[i] - base
+                out.append((self.acked + 1 + i,
+                            data[at:at + self._cuts[i]].decode() + "}"))
             return out
+
+    def unacked(self):
+        """Every unacked record as the server will see it (for tests and debugging)."""
+        out, seq = [], self.acked
+        while True:
+            items = self.pending_after(seq)
+            if not items:
+                return out
+            out.extend(json.loads(w) for _s, w in items)
+            seq = items[-1][0]
 
     def batch_message(self, items):
         return ('{"type":"batch","epoch":%s,"records":[%s]}'
@@ -384,20 +450,21 @@ class Outbox:
             if seq <= self.acked:
                 return
             n = seq - self.acked
-            del self._pending[:n]
+            del self._offs[:n]
+            del self._lens[:n]
+            del self._cuts[:n]
             self._dropped_lines += n
             self.acked = seq
             # rewriting costs the pending records, so do it when that is cheap or amortised
-            if not self._pending or self._dropped_lines >= max(self.compact_min,
-                                                               len(self._pending)):
+            if not self._offs or self._dropped_lines >= max(self.compact_min, len(self._offs)):
                 self._rewrite()
 
     def restart_epoch(self, reason):
         """The server's cursor does not fit our history (e.g. its database was restored)."""
         with self.lock:
-            self._new_epoch(reason)
-            self._dropped_lines = 1
-            self._rewrite()
+            keep_after = self.acked
+            self._new_epoch(reason, len(self._offs))
+            self._rewrite(renumber=True, keep_after=keep_after)
 
     # -- files ---------------------------------------------------------------------------
 
@@ -405,37 +472,63 @@ class Outbox:
         with self.lock:
             write_json_atomic(self.state_path, {
                 "epoch": self.epoch, "next_seq": self.next_seq, "acked": self.acked,
-                "snapshot_seq": self.last_seq, "attempts": self.attempts})
+                "snapshot_seq": self.last_seq, "attempts": self.attempts}, private=True)
 
-    def _rewrite(self):
+    def _rewrite(self, renumber=False, keep_after=None):
         """Compact: state.json first (so its snapshot covers what the spool drops), then
-        the spool with only unacked records, both atomically."""
+        the spool with only unacked records (renumbered from acked + 1 when asked), both
+        atomically. Streams the records: a long spool never sits in memory."""
         self.save_state()
-        if self._dropped_lines or self._spool is None:
-            tmp = self.spool_path + ".tmp"
-            with open(tmp, "wb") as f:
-                for _s, rec, _w in self._pending:
-                    f.write(json.dumps(rec, separators=(",", ":")).encode() + b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-            if self._spool is not None:
-                self._spool.close()
-            os.replace(tmp, self.spool_path)
-            fsync_dir(self.spool_dir)
-            self._dropped_lines = 0
-        if self._spool is None or self._spool.closed:
-            self._spool = open(self.spool_path, "ab")
+        if not (self._dropped_lines or self._spool is None or renumber):
+            return
+        keep_after = self.acked if keep_after is None else keep_after
+        tmp = self.spool_path + ".tmp"
+        offs, lens, cuts = array.array("q"), array.array("q"), array.array("q")
+        seq, job_seq = self.acked, 0
+        with open(tmp, "wb", opener=_private_opener) as out:
+            for rec in self._scan_spool(quiet=True):
+                if rec["seq"] <= keep_after:
+                    continue
+                seq += 1
+                rec["seq"] = seq
+                att = rec.pop("_att", None)
+                line, cut = _spool_line(rec, att)
+                offs.append(out.tell())
+                lens.append(len(line))
+                cuts.append(cut)
+                out.write(line)
+                if rec["kind"] == "job":
+                    job_seq = seq
+            out.flush()
+            os.fsync(out.fileno())
+        if seq != self.next_seq - 1:
+            # records vanished between the scans (unparseable now): renumber what is left
+            log.warning("outbox: %d records expected, %d found; renumbering in a new epoch",
+                        self.next_seq - 1 - self.acked, seq - self.acked)
+            if not renumber:
+                os.unlink(tmp)
+                self._new_epoch("spool changed under us", seq - self.acked)
+                return self._rewrite(renumber=True, keep_after=keep_after)
+            self.next_seq = seq + 1
+        for f in (self._spool, self._reader):
+            if f is not None:
+                f.close()
+        os.replace(tmp, self.spool_path)
+        fsync_dir(self.spool_dir)
+        self._offs, self._lens, self._cuts = offs, lens, cuts
+        self.last_job_seq = job_seq
+        self._dropped_lines = 0
+        self._spool = open(self.spool_path, "ab", opener=_private_opener)
+        self._reader = open(self.spool_path, "rb")
+        if renumber:
+            self.save_state()
 
     def close(self):
         with self.lock:
             if self._spool is not None and not self._spool.closed:
                 self.save_state()
                 self._spool.close()
-
-
-def _wire(rec):
-    return json.dumps({k: v for k, v in rec.items() if not k.startswith("_")},
-                      separators=(",", ":"))
+                self._reader.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -446,10 +539,20 @@ def _wire(rec):
 # launch.json (the shim's pid), pid (the command's pid + start time, written by the shim),
 # log, exit (written by the shim), cancel (the time a cancel was asked for) and reported
 # (the final record, once it is in the outbox).
+#
+# One thread, the runner's, owns every Attempt and does all of the file work (launching,
+# tailing, TensorBoard parsing, checkpoint scans). Other threads hand it commands through
+# a queue and read a small published view (`Runner.view`) under a lock that is only ever
+# held to swap a dict: the connection thread never waits for a file or a parse.
 
-def job_environment(msg, base_env=None, sdk_dir=SDK_DIR):
+# Variables of the agent's environment a job never inherits: the agent's own settings
+# (the token among them) and the shim's.
+_PRIVATE_ENV = re.compile(r"^GPUCTL_")
+
+
+def job_environment(msg, base_env=None, sdk_dir=SDK_DIR, secrets=()):
     env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
-           if not k.startswith("GPUCTL_")}
+           if not _PRIVATE_ENV.match(k) and v not in secrets}
     job_env = {str(k): str(v) for k, v in (msg.get("env") or {}).items()}
     env.update(job_env)
     env.update({
@@ -468,16 +571,32 @@ def job_environment(msg, base_env=None, sdk_dir=SDK_DIR):
     return env
 
 
+def shim_environment():
+    """The shim's own environment: nothing of the agent's (a job can read its parent's
+    /proc/PID/environ); the job's environment travels in spec.json."""
+    return {"PATH": os.environ.get("PATH", os.defpath), "LC_ALL": "C.UTF-8"}
+
+
 def resolve_command(command, working_dir, env):
     """-> (argv, executable) or raise ValueError naming what is wrong."""
-    if not working_dir or not os.path.isabs(working_dir):
+    if not working_dir or not isinstance(working_dir, str) or not os.path.isabs(working_dir):
         raise ValueError(f"working dir must be an absolute path, got {working_dir!r}")
+    if "\0" in working_dir:
+        raise ValueError("working dir contains a NUL byte; remove it and submit again")
     if not os.path.isdir(working_dir):
         raise ValueError(f"working dir does not exist on this host: {working_dir}")
+    for k, v in env.items():
+        if "\0" in k or "\0" in v or "=" in k or not k:
+            raise ValueError(f"environment variable {k!r} cannot be passed to a process "
+                             "(empty name, '=' or a NUL byte); fix the job's env")
     if isinstance(command, str):
+        if "\0" in command:
+            raise ValueError("command contains a NUL byte; remove it and submit again")
         return ["/bin/sh", "-c", command], "/bin/sh"
     if not command or not all(isinstance(a, str) for a in command):
         raise ValueError(f"command must be a non-empty list of strings, got {command!r}")
+    if any("\0" in a for a in command):
+        raise ValueError("command contains a NUL byte; remove it and submit again")
     exe = command[0]
     if "/" in exe:
         path = os.path.join(working_dir, exe)
@@ -563,6 +682,9 @@ def split_log(data, skip, at_eof):
 
 
 class Attempt:
+    """One (job, attempt): what the runner thread knows about it. Only that thread
+    touches it."""
+
     def __init__(self, job_id, attempt, path):
         self.job_id, self.attempt, self.dir = int(job_id), int(attempt), path
         self.key = f"{self.job_id}/{self.attempt}"
@@ -575,29 +697,30 @@ class Attempt:
         self.tb_dir = start.get("tb_dir")
         self.watch_dir = start.get("watch_dir")
         self.popen = None                 # the shim, when this agent process launched it
+        self.shim_gone = False            # our waiter saw the shim exit
         self.pid_info = None
-        self.offset, self.line_no, self.skip = 0, 0, False
         self.running_reported = False
         self.final = False
         self.term_sent = False
         self.killed = False
         self.tree = {}                    # pid -> create_time of every descendant seen
-        self.tb = None
-        self.tb_offsets = {}
-        self.ckpt_done = {}               # path -> fingerprint already reported
-        self.ckpt_seen = {}               # path -> fingerprint seen at the last scan
+        self.log = LogTail(self)
+        self.tb = TensorBoardHook(self)
+        self.ckpt = CheckpointHook(self)
         self.next_hook = 0.0
+        self.next_check = 0.0             # exit / liveness check, when no waiter wakes us
+        self.inflight = collections.deque()   # (seq, bytes) of log and metric records
+        self.draining = False
+        self.poll_s = LOG_POLL_MIN_S
 
     def file(self, name):
         return os.path.join(self.dir, name)
 
     def load_state(self, st):
-        self.offset = int(st.get("offset", 0))
-        self.line_no = int(st.get("line_no", 0))
-        self.skip = bool(st.get("skip", False))
+        self.log.load(st)
         self.running_reported = bool(st.get("running", False))
-        self.tb_offsets = dict(st.get("tb", {}))
-        self.ckpt_done = dict(st.get("ckpt", {}))
+        self.tb.offsets = dict(st.get("tb", {}))
+        self.ckpt.load(st.get("ckpt", {}))
 
     def pid(self):
         if self.pid_info is None:
@@ -608,183 +731,66 @@ class Attempt:
         info = self.pid()
         return bool(info) and proc_alive(info.get("pid"), info.get("create_time"))
 
+    def backlog(self, acked):
+        """Bytes of this attempt's log and metric records the server has not acked."""
+        while self.inflight and self.inflight[0][0] <= acked:
+            self.inflight.popleft()
+        return sum(n for _s, n in self.inflight)
 
-class Runner(Worker):
-    name = "gpuplane-agent-runner"
-    # How soon an exit or new log lines are noticed: a few stats per running attempt.
-    interval = 0.1
+    def resolve(self, rel):
+        """A job-relative path as an absolute one (None when there is nothing to join)."""
+        if not rel:
+            return None
+        if os.path.isabs(rel):
+            return os.path.normpath(rel)
+        if not self.working_dir:
+            return None
+        return os.path.normpath(os.path.join(self.working_dir, rel))
 
-    def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
-                 hook_interval_s=2.0, shim_argv=None):
-        super().__init__()
-        self.jobs_dir = os.path.join(agent_dir, "jobs")
-        os.makedirs(self.jobs_dir, exist_ok=True)
-        self.outbox = outbox
+
+class Launcher:
+    """Starts an attempt's shim and stops its process tree (SIGTERM to the group, SIGKILL
+    to it and every descendant seen once the grace period is over)."""
+
+    def __init__(self, shim_argv, kill_grace_s, wake):
+        self.shim_argv = shim_argv
         self.kill_grace_s = kill_grace_s
-        self.server_url = server_url
-        self.hook_interval_s = hook_interval_s
-        self.shim_argv = shim_argv or shim_command()
-        self.lock = threading.RLock()
-        self.active = {}                  # key -> Attempt not yet finally reported
-        self.adopt()
+        self.wake = wake
 
-    # -- start-up ------------------------------------------------------------------------
-
-    def known(self):
-        out = []
-        for job in os.listdir(self.jobs_dir):
-            jdir = os.path.join(self.jobs_dir, job)
-            if not job.isdigit() or not os.path.isdir(jdir):
-                continue
-            for att in os.listdir(jdir):
-                if att.isdigit() and os.path.isdir(os.path.join(jdir, att)):
-                    out.append((int(job), int(att)))
-        return sorted(out)
-
-    def adopt(self):
-        """Re-adopt every attempt whose final state was never put in the outbox."""
-        with self.lock:
-            for job_id, attempt in self.known():
-                key = f"{job_id}/{attempt}"
-                path = os.path.join(self.jobs_dir, str(job_id), str(attempt))
-                st = self.outbox.attempt_state(key)
-                if os.path.exists(os.path.join(path, "reported")):
-                    self.outbox.forget(key)
-                    continue
-                if st.get("final"):
-                    # the final record made it into the outbox; only the marker is missing
-                    write_json_atomic(os.path.join(path, "reported"), st.get("record", {}))
-                    continue
-                att = Attempt(job_id, attempt, path)
-                att.load_state(st)
-                self.active[key] = att
-                log.info("re-adopting job %s attempt %s (log offset %d, line %d)",
-                         job_id, attempt, att.offset, att.line_no)
-
-    # -- commands ------------------------------------------------------------------------
-
-    def handle_start(self, msg):
-        job_id, attempt = int(msg["job_id"]), int(msg["attempt"])
-        key = f"{job_id}/{attempt}"
-        jdir = os.path.join(self.jobs_dir, str(job_id))
-        path = os.path.join(jdir, str(attempt))
-        with self.lock:
-            os.makedirs(jdir, exist_ok=True)
-            try:
-                os.mkdir(path)       # the once-ever guard for (job_id, attempt)
-            except FileExistsError:
-                self._rereport(key, path)
-                return
-            msg = dict(msg)
-            if not msg.get("server_url"):
-                msg["server_url"] = self.server_url
-            env = job_environment(msg)
-            spec = {"start": msg, "received_at": now_ms()}
-            try:
-                argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
-                spec["exec"] = {"argv": argv, "executable": exe,
-                                "cwd": msg["working_dir"], "env": env}
-            except ValueError as e:
-                spec["exec"] = None
-                write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
-                open(os.path.join(path, "log"), "ab").close()
-                write_json_atomic(os.path.join(path, "exit"), {
-                    "exit_code": None, "signal": None, "ended_at": now_ms(),
-                    "failure_kind": "DISPATCH_FAILED", "message": str(e)})
-                log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
-            else:
-                write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
-            att = Attempt(job_id, attempt, path)
-            self.active[key] = att
-            if spec["exec"] is not None:
-                self._launch(att)
-            self._tick_attempt(att)
-            if att.final:
-                del self.active[key]
-
-    def _launch(self, att):
-        with open(os.devnull, "rb") as devnull, open(att.file("shim.err"), "ab") as err:
+    def launch(self, att):
+        with open(os.devnull, "rb") as devnull, \
+                open(att.file("shim.err"), "ab", opener=_private_opener) as err:
             att.popen = subprocess.Popen(self.shim_argv + [att.dir], stdin=devnull,
-                                         stdout=err, stderr=err, start_new_session=True,
-                                         close_fds=True)
+                                         stdout=subprocess.PIPE, stderr=err,
+                                         start_new_session=True, close_fds=True,
+                                         env=shim_environment())
         try:
             ct = psutil.Process(att.popen.pid).create_time()
         except psutil.NoSuchProcess:
             ct = None
         write_json_atomic(att.file("launch.json"), {"shim_pid": att.popen.pid,
-                                                    "shim_create_time": ct})
+                                                    "shim_create_time": ct}, private=True)
+        # The shim writes one line once the command runs and closes the pipe when it
+        # exits: both wake the runner, so nothing here polls for a start or an exit.
+        threading.Thread(target=self._wait, args=(att,), daemon=True,
+                         name=f"gpuplane-agent-wait-{att.key}").start()
         log.info("job %s attempt %s: launched shim pid %d", att.job_id, att.attempt,
                  att.popen.pid)
 
-    def _rereport(self, key, path):
-        att = self.active.get(key)
-        if att is not None:
-            if att.running_reported and att.pid():
-                self._report_running(att)
-            return
-        rec = read_json(os.path.join(path, "reported"))
-        if rec:
-            fields = {k: rec[k] for k in ("job_id", "attempt", "state", "pid", "exit_code",
-                                          "signal", "failure_kind", "message") if k in rec}
-            self.outbox.append("job", fields)
-        log.info("start for known attempt %s: re-reported its state", key)
+    def _wait(self, att):
+        try:
+            out = att.popen.stdout
+            while out.readline():
+                self.wake()
+            out.close()
+            att.popen.wait()
+        finally:
+            att.shim_gone = True
+            self.wake()
 
-    def handle_cancel(self, msg):
-        key = f"{int(msg['job_id'])}/{int(msg['attempt'])}"
-        with self.lock:
-            att = self.active.get(key)
-            if att is None:
-                path = os.path.join(self.jobs_dir, str(int(msg["job_id"])),
-                                    str(int(msg["attempt"])))
-                if os.path.isdir(path):
-                    self._rereport(key, path)
-                return
-            if not os.path.exists(att.file("cancel")):
-                write_json_atomic(att.file("cancel"), {"requested_at": now_ms()})
-                log.info("cancelling job %s attempt %s", att.job_id, att.attempt)
-            self._tick_attempt(att)
-            if att.final:
-                del self.active[key]
-
-    # -- the loop ------------------------------------------------------------------------
-
-    def tick(self):
-        with self.lock:
-            for key, att in list(self.active.items()):
-                try:
-                    self._tick_attempt(att)
-                except Exception:
-                    log.exception("job %s attempt %s: watch failed", att.job_id, att.attempt)
-                if att.final:
-                    self.active.pop(key, None)
-
-    def _tick_attempt(self, att):
-        if att.pid() and not att.running_reported:
-            self._report_running(att)
-        if att.pid():        # until then lines wait, so RUNNING comes before the first one
-            self._tail(att, at_eof=False)
-        if time.monotonic() >= att.next_hook:
-            att.next_hook = time.monotonic() + self.hook_interval_s
-            self._hooks(att)
-        cancel = read_json(att.file("cancel"))
-        exit_info = read_json(att.file("exit"))
-        if cancel is not None:
-            if not self._enforce_cancel(att, cancel):
-                return              # still inside the grace period with survivors
-        if exit_info is None:
-            if self._shim_alive(att) or att.command_alive():
-                return
-            exit_info = read_json(att.file("exit"))   # the shim may have just finished
-            if exit_info is None:
-                exit_info = {"exit_code": None, "signal": None, "ended_at": now_ms(),
-                             "failure_kind": "LOST",
-                             "message": "the job's shim vanished without an exit status "
-                                        "(host reboot or killed)"}
-        self._finish(att, exit_info, cancel)
-
-    def _shim_alive(self, att):
+    def shim_alive(self, att):
         if att.popen is not None:
-            return att.popen.poll() is None
+            return not att.shim_gone and att.popen.poll() is None
         info = att.pid() or read_json(att.file("launch.json"))
         if info and info.get("shim_pid"):
             return proc_alive(info["shim_pid"], info.get("shim_create_time"))
@@ -795,44 +801,11 @@ class Runner(Worker):
             return False
         return age < LAUNCH_GRACE_S
 
-    def _report_running(self, att):
-        info = att.pid()
-        self.outbox.append("job", {
-            "job_id": att.job_id, "attempt": att.attempt, "state": "RUNNING",
-            "pid": info.get("pid"), "exit_code": None, "signal": None,
-            "failure_kind": None, "message": None},
-            att={"key": att.key, "running": True})
-        att.running_reported = True
-
-    def _finish(self, att, exit_info, cancel):
-        if att.pid() and not att.running_reported:
-            self._report_running(att)     # a fast job: say it ran before it ended
-        self._tail(att, at_eof=True)
-        self._hooks(att, final=True)
-        if exit_info.get("failure_kind") == "LOST":
-            kind, message = "LOST", exit_info["message"]
-        else:
-            kind, message = classify_exit(exit_info, att.file("log"), cancel)
-        rec = {"job_id": att.job_id, "attempt": att.attempt, "state": "EXITED",
-               "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
-               "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
-        self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
-                                                  "record": rec})
-        write_json_atomic(att.file("reported"), rec)
-        att.final = True
-        if att.popen is not None:
-            att.popen.poll()
-        log.info("job %s attempt %s exited: code %s signal %s failure %s", att.job_id,
-                 att.attempt, rec["exit_code"], rec["signal"], kind)
-
-    # -- cancel --------------------------------------------------------------------------
-
-    def _enforce_cancel(self, att, cancel):
-        """SIGTERM the group, SIGKILL it and every descendant seen after the grace period.
-        -> True once nothing of the job is left (or it never started)."""
+    def enforce_cancel(self, att, cancel):
+        """-> True once nothing of the job is left (or it never started)."""
         info = att.pid()
         if not info:
-            return not self._shim_alive(att) or read_json(att.file("exit")) is not None
+            return not self.shim_alive(att) or read_json(att.file("exit")) is not None
         pgid = info["pid"]
         self._remember_tree(att, info)
         if not att.term_sent:
@@ -896,148 +869,6 @@ class Runner(Worker):
                     pass
         return out
 
-    # -- tailing ---------------------------------------------------------------------------
-
-    def _tail(self, att, at_eof):
-        path = att.file("log")
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            return
-        while att.offset < size:
-            with open(path, "rb") as f:
-                f.seek(att.offset)
-                data = f.read(min(size - att.offset, 4 * 1024 * 1024))
-            if not data:
-                break
-            reached_end = att.offset + len(data) >= size
-            items, consumed, skip = split_log(data, att.skip, at_eof and reached_end)
-            self._emit_lines(att, items)
-            att.offset += consumed
-            att.skip = skip
-            if not reached_end and consumed == 0:
-                break
-            if reached_end:
-                break
-
-    def _emit_lines(self, att, items):
-        base, ts = att.offset, now_ms()
-        chunk, size = [], 0
-        for i, (raw, end, skip_after) in enumerate(items):
-            att.line_no += 1
-            text = raw.decode("utf-8", "replace")
-            chunk.append([att.line_no, ts, text])
-            size += len(text) + 32
-            if len(chunk) >= 1000 or size >= 256 * 1024 or i == len(items) - 1:
-                self.outbox.append("log", {"job_id": att.job_id, "attempt": att.attempt,
-                                           "lines": chunk},
-                                   att={"key": att.key, "offset": base + end,
-                                        "line_no": att.line_no, "skip": skip_after})
-                chunk, size = [], 0
-
-    # -- hooks: TensorBoard and checkpoints ------------------------------------------------
-
-    def _hooks(self, att, final=False):
-        if att.run_id is None:
-            return
-        try:
-            self._tb_hook(att, final)
-        except Exception:
-            log.exception("job %s attempt %s: TensorBoard tailing failed", att.job_id,
-                          att.attempt)
-        try:
-            self._checkpoint_hook(att)
-        except Exception:
-            log.exception("job %s attempt %s: checkpoint scan failed", att.job_id,
-                          att.attempt)
-
-    def _tb_hook(self, att, final=False):
-        root = att.tb_dir or att.working_dir
-        if root and not os.path.isabs(root):
-            root = os.path.join(att.working_dir or "/", root)    # --tb-dir runs
-        if not root or not os.path.isdir(root):
-            return
-        if att.tb is None:
-            att.tb = TBTailer(root, att.received_at / 1000.0, dict(att.tb_offsets))
-        while True:
-            # After the exit: look for files written since the last walk, and read
-            # everything, even a backlog longer than one poll hands out.
-            points = att.tb.poll(rescan=final)
-            self._emit_tb(att, points)
-            if not final or len(points) < att.tb.max_points:
-                break
-
-    def _emit_tb(self, att, points):
-        for i in range(0, len(points), 5000):
-            chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + 5000]]
-            last = i + 5000 >= len(points)
-            # offsets ride on the last chunk only: a crash in between re-reads the poll,
-            # and the server's (run, key, step) upsert absorbs the repeat
-            self.outbox.append("metrics", {"run_id": att.run_id, "source": "tb",
-                                           "points": chunk},
-                               att={"key": att.key, "tb": dict(att.tb.offsets)} if last else None)
-        att.tb_offsets = dict(att.tb.offsets)
-
-    def _checkpoint_hook(self, att):
-        if not att.watch_dir:
-            return
-        root = att.watch_dir
-        if not os.path.isabs(root):
-            root = os.path.join(att.working_dir or "/", root)
-        if not os.path.isdir(root):
-            return
-        now = {}
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            for name in filenames:
-                if name.startswith(".") or name.endswith((".tmp", ".partial", ".lock")):
-                    continue
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                now[path] = (f"{st.st_size}-{st.st_mtime_ns}", st.st_size)
-        # debounce: a file counts once it looked the same on two scans in a row
-        for path, (fp, size) in sorted(now.items()):
-            if att.ckpt_seen.get(path) == fp and att.ckpt_done.get(path) != fp:
-                att.ckpt_done[path] = fp
-                step, epoch = checkpoint_step(os.path.basename(path))
-                self.outbox.append("checkpoint", {
-                    "run_id": att.run_id, "path": path, "step": step, "epoch": epoch,
-                    "size_bytes": size, "fingerprint": fp},
-                    att={"key": att.key, "ckpt": dict(att.ckpt_done)})
-        att.ckpt_seen = {p: fp for p, (fp, _s) in now.items()}
-
-    # -- views for the other threads -------------------------------------------------------
-
-    def running(self):
-        """[(Attempt, pid)] of attempts whose command is alive now."""
-        with self.lock:
-            out = []
-            for att in self.active.values():
-                info = att.pid()
-                if info and not att.final and att.command_alive():
-                    out.append((att, info["pid"]))
-            return out
-
-    def sync_message(self):
-        with self.lock:
-            running = []
-            for att in self.active.values():
-                if att.final:
-                    continue
-                info = att.pid()
-                if (info and att.command_alive()) or (not info and self._shim_alive(att)):
-                    running.append({"job_id": att.job_id, "attempt": att.attempt,
-                                    "pid": info.get("pid") if info else None})
-            return {"type": "sync", "running": running,
-                    "known": [[j, a] for j, a in self.known()]}
-
-    def busy_gpus(self):
-        with self.lock:
-            return {g for att in self.active.values() if not att.final for g in att.gpus}
-
 
 def _killpg(pgid, sig):
     try:
@@ -1046,29 +877,718 @@ def _killpg(pgid, sig):
         pass
 
 
+class LogTail:
+    """Turns new bytes of the attempt's log into `log` records. -> poll() says whether it
+    found anything, so the runner can look less often at a quiet log."""
+
+    def __init__(self, att):
+        self.att = att
+        self.offset, self.line_no, self.skip = 0, 0, False
+
+    def load(self, st):
+        self.offset = int(st.get("offset", 0))
+        self.line_no = int(st.get("line_no", 0))
+        self.skip = bool(st.get("skip", False))
+
+    def poll(self, emit, at_eof, max_bytes):
+        path = self.att.file("log")
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return False
+        if self.offset >= size:
+            return False
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(min(size - self.offset, max_bytes))
+        reached_end = self.offset + len(data) >= size
+        items, consumed, skip = split_log(data, self.skip, at_eof and reached_end)
+        self._emit(emit, items)
+        self.offset += consumed
+        self.skip = skip
+        return consumed > 0
+
+    def _emit(self, emit, items):
+        att, base, ts = self.att, self.offset, now_ms()
+        chunk, size = [], 0
+        for i, (raw, end, skip_after) in enumerate(items):
+            self.line_no += 1
+            text = raw.decode("utf-8", "replace")
+            chunk.append([self.line_no, ts, text])
+            size += len(text) + 32
+            if len(chunk) >= 1000 or size >= 256 * 1024 or i == len(items) - 1:
+                emit("log", {"job_id": att.job_id, "attempt": att.attempt, "lines": chunk},
+                     {"key": att.key, "offset": base + end, "line_no": self.line_no,
+                      "skip": skip_after}, size)
+                chunk, size = [], 0
+
+
+class TensorBoardHook:
+    """Tails the attempt's TensorBoard event files (TBTailer) into `metrics` records."""
+
+    def __init__(self, att):
+        self.att = att
+        self.offsets = {}
+        self.tailer = None
+        self.warned = False
+
+    def poll(self, emit, final=False):
+        """-> True when a poll returned a full batch (more is waiting)."""
+        att = self.att
+        root = att.resolve(att.tb_dir or att.working_dir)
+        if not root or not os.path.isdir(root):
+            return False
+        if self.tailer is None:
+            self.tailer = TBTailer(root, att.received_at / 1000.0, dict(self.offsets))
+        # After the exit: look for files written since the last walk.
+        points = self.tailer.poll(rescan=final)
+        for i in range(0, len(points), 5000):
+            chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + 5000]]
+            last = i + 5000 >= len(points)
+            # offsets ride on the last chunk only: a crash in between re-reads the poll,
+            # and the server's (run, key, step) upsert absorbs the repeat
+            emit("metrics", {"run_id": att.run_id, "source": "tb", "points": chunk},
+                 {"key": att.key, "tb": dict(self.tailer.offsets)} if last else None,
+                 len(chunk) * 40)
+        self.offsets = dict(self.tailer.offsets)
+        return len(points) >= self.tailer.max_points
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+#
+# A watch dir is scanned every CKPT_INTERVAL_S (or less often: a scan never takes more than
+# 1 % of the time between scans). An entry is a checkpoint when its name says so (below);
+# it is registered once its signature (size + mtime; for a directory: file count, total
+# size and newest mtime of what is inside) is the same on two scans in a row, or on the
+# final scan after the job's process is gone (nothing writes it any more).
+
+CKPT_INTERVAL_S = 5.0
+CKPT_MAX_DEPTH = 4            # levels below the watch dir
+CKPT_MAX_ENTRIES = 20_000     # directory entries looked at per scan
+CKPT_DIR_MAX_ENTRIES = 2_000  # entries summed for one checkpoint directory
+
+_CKPT_HF_DIR = re.compile(r"^checkpoint-(\d+)$")
+_CKPT_FORMATS = ((".safetensors", "safetensors"), (".ckpt", "lightning"),
+                 (".pth", "pt"), (".pt", "pt"), (".keras", "keras"), (".h5", "keras"))
+_CKPT_PARTIAL = (".tmp", ".partial", ".lock", ".incomplete", ".part")
+
+
+def checkpoint_format(name, is_dir):
+    """-> the format of a checkpoint named `name`, or None when it is not one."""
+    if name.startswith(".") or name.endswith(_CKPT_PARTIAL):
+        return None
+    if is_dir:
+        return "hf" if _CKPT_HF_DIR.match(name) else None
+    for ext, fmt in _CKPT_FORMATS:
+        if name.endswith(ext):
+            return fmt
+    return None
+
+
 def checkpoint_step(name):
-    m = re.search(r"(?:global_step|step|iter|it)[=_-]?(\d+)", name, re.I)
-    e = re.search(r"epoch[=_-]?(\d+)", name, re.I)
-    step = int(m.group(1)) if m else None
+    """-> (step, epoch) parsed from a checkpoint's name; None where the name does not say.
+
+    `epoch=3-step=1200.ckpt` (Lightning), `checkpoint-500` (Hugging Face), `model_step1500.pt`,
+    `ckpt-1500.pt`, `epoch_3.pt`. Numbers that belong to something else (`val_loss=0.12`)
+    are not a step.
+    """
+    stem = name
+    for ext, _fmt in _CKPT_FORMATS:
+        if stem.endswith(ext):
+            stem = stem[:-len(ext)]
+            break
+    m = _CKPT_HF_DIR.match(stem)
+    if m:
+        return int(m.group(1)), None
+    s = re.search(r"(?:global_step|step|iter|it)[=_-]?(\d+)(?![\d.])", stem, re.I)
+    e = re.search(r"epoch[=_-]?(\d+)(?![\d.])", stem, re.I)
+    step = int(s.group(1)) if s else None
     epoch = float(e.group(1)) if e else None
-    if step is None and epoch is None:
-        nums = re.findall(r"\d+", name)
-        step = int(nums[-1]) if nums else None
+    if step is None and epoch is None and "=" not in stem:
+        m = re.search(r"[-_.](\d+)$", stem)       # ckpt-1500, model_0003
+        step = int(m.group(1)) if m else None
     return step, epoch
 
 
+class CheckpointHook:
+    """The debounced checkpoint watcher of one attempt."""
+
+    def __init__(self, att, interval_s=CKPT_INTERVAL_S):
+        self.att = att
+        self.interval_s = interval_s
+        self.done = {}        # path -> fingerprint registered
+        self.seen = {}        # path -> (signature, format, size) at the last scan
+        self.next_scan = 0.0
+        self.skipped = None   # why the watch dir is not scanned (logged once per reason)
+
+    def load(self, done):
+        self.done = dict(done)
+
+    def poll(self, emit, final=False):
+        att = self.att
+        if not att.watch_dir:
+            return
+        now = time.monotonic()
+        if not final and now < self.next_scan:
+            return
+        root = self._root()
+        if root is None:
+            return
+        began = time.process_time()
+        found = self.scan(root)
+        took = time.process_time() - began
+        # at most 1 % of a core, whatever the tree
+        self.next_scan = time.monotonic() + max(self.interval_s, 100 * took)
+        for path in sorted(found):
+            sig, fmt, size = found[path]
+            stable = self.seen.get(path, (None,))[0] == sig
+            if (stable or final) and self.done.get(path) != sig:
+                self.done[path] = sig
+                step, epoch = checkpoint_step(os.path.basename(path))
+                emit("checkpoint", {
+                    "run_id": att.run_id, "path": path, "step": step, "epoch": epoch,
+                    "step_from": "name" if step is not None else "latest",
+                    "size_bytes": size, "fingerprint": sig, "format": fmt},
+                    {"key": att.key, "ckpt": dict(self.done)}, 0)
+        self.seen = found
+
+    def _root(self):
+        att = self.att
+        root = att.resolve(att.watch_dir)
+        why = None
+        if root is None:
+            why = "the job has no working dir to resolve it against"
+        else:
+            try:
+                real = os.path.realpath(root, strict=True)
+            except OSError as e:
+                real = None
+                why = ("it is a symlink loop" if e.errno == errno.ELOOP
+                       else "it does not exist (yet)")
+            if real is not None:
+                if not os.path.isdir(real):
+                    why = "it is not a directory"
+                elif real == "/" or real == os.path.expanduser("~"):
+                    why = "watching a whole filesystem or home directory is refused"
+        if why != self.skipped:
+            if why:
+                log.warning("job %s attempt %s: not watching %r for checkpoints: %s",
+                            att.job_id, att.attempt, att.watch_dir, why)
+            self.skipped = why
+        return None if why else root
+
+    def scan(self, root):
+        """-> {absolute path: (signature, format, size)} of the checkpoints under root,
+        bounded in depth and entries."""
+        found, budget = {}, [CKPT_MAX_ENTRIES]
+        stack = [(root, 0)]
+        while stack and budget[0] > 0:
+            d, depth = stack.pop()
+            try:
+                it = os.scandir(d)
+            except OSError:
+                continue
+            with it:
+                for e in it:
+                    budget[0] -= 1
+                    if budget[0] < 0:
+                        log.warning("job %s attempt %s: more than %d entries under %s; "
+                                    "checkpoint scan stopped there", self.att.job_id,
+                                    self.att.attempt, CKPT_MAX_ENTRIES, root)
+                        break
+                    try:
+                        is_dir = e.is_dir(follow_symlinks=False)
+                        fmt = checkpoint_format(e.name, is_dir)
+                        if fmt == "hf":
+                            sig, size = self._dir_signature(e.path)
+                            found[e.path] = (sig, fmt, size)
+                        elif is_dir:
+                            if depth < CKPT_MAX_DEPTH and not e.name.startswith(".") \
+                                    and e.name not in _TB_SKIP_DIRS:
+                                stack.append((e.path, depth + 1))
+                        elif fmt and e.is_file(follow_symlinks=False):
+                            st = e.stat(follow_symlinks=False)
+                            found[e.path] = (f"{st.st_size}-{st.st_mtime_ns}", fmt, st.st_size)
+                    except OSError:
+                        continue
+        return found
+
+    def _dir_signature(self, path):
+        """(count-size-newest mtime, total size) of the files in a checkpoint directory."""
+        count = size = newest = 0
+        stack, budget = [path], CKPT_DIR_MAX_ENTRIES
+        while stack and budget > 0:
+            try:
+                it = os.scandir(stack.pop())
+            except OSError:
+                continue
+            with it:
+                for e in it:
+                    budget -= 1
+                    if budget < 0:
+                        break
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            st = e.stat(follow_symlinks=False)
+                            count += 1
+                            size += st.st_size
+                            newest = max(newest, st.st_mtime_ns)
+                    except OSError:
+                        continue
+        return f"dir:{count}-{size}-{newest}", size
+
+
+# -- the runner ----------------------------------------------------------------------------
+
+LOG_POLL_MIN_S = 0.05         # a busy log is read this often ...
+LOG_POLL_MAX_S = 1.0          # ... a quiet one backs off to this
+ADOPTED_CHECK_S = 1.0         # liveness of jobs we did not launch (no waiter): polled
+IDLE_WAKE_S = 30.0            # nothing running: wake this often anyway (retention, ...)
+LOG_READ_BYTES = 4 * 1024 * 1024
+BACKLOG_MAX_BYTES = 32 * 1024 * 1024   # per attempt: unacked log + metric bytes in the spool
+
+
+class Runner(Worker):
+    name = "gpuplane-agent-runner"
+
+    def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
+                 hook_interval_s=2.0, shim_argv=None, secrets=(),
+                 backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=14.0,
+                 ckpt_interval_s=CKPT_INTERVAL_S):
+        super().__init__()
+        self.jobs_dir = os.path.join(agent_dir, "jobs")
+        make_private_dirs(self.jobs_dir)
+        self.outbox = outbox
+        self.server_url = server_url
+        self.hook_interval_s = hook_interval_s
+        self.ckpt_interval_s = ckpt_interval_s
+        self.secrets = tuple(s for s in secrets if s)
+        self.backlog_max_bytes = backlog_max_bytes
+        self.retention_days = retention_days
+        self._wake = threading.Event()
+        self.launcher = Launcher(shim_argv or shim_command(), kill_grace_s, self._wake.set)
+        self._commands = collections.deque()
+        self.lock = threading.Lock()       # guards only `view`: held to read or swap it
+        self.view = {}                     # key -> facts of an attempt not finally reported
+        self.active = {}                   # key -> Attempt (the runner thread's own)
+        self._next_retention = 0.0
+        self._in_commands = False
+        self.adopt()
+
+    @property
+    def kill_grace_s(self):
+        return self.launcher.kill_grace_s
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def known(self):
+        out = []
+        for job in os.listdir(self.jobs_dir):
+            jdir = os.path.join(self.jobs_dir, job)
+            if not job.isdigit() or not os.path.isdir(jdir):
+                continue
+            for att in os.listdir(jdir):
+                if att.isdigit() and os.path.isdir(os.path.join(jdir, att)):
+                    out.append((int(job), int(att)))
+        return sorted(out)
+
+    def adopt(self):
+        """Re-adopt every attempt whose final state was never put in the outbox."""
+        for job_id, attempt in self.known():
+            key = f"{job_id}/{attempt}"
+            path = os.path.join(self.jobs_dir, str(job_id), str(attempt))
+            st = self.outbox.attempt_state(key)
+            if os.path.exists(os.path.join(path, "reported")):
+                self.outbox.forget(key)
+                continue
+            if st.get("final"):
+                # the final record made it into the outbox; only the marker is missing
+                write_json_atomic(os.path.join(path, "reported"), st.get("record", {}),
+                                  private=True)
+                continue
+            att = self._new_attempt(job_id, attempt, path)
+            att.load_state(st)
+            self.active[key] = att
+            log.info("re-adopting job %s attempt %s (log offset %d, line %d)",
+                     job_id, attempt, att.log.offset, att.log.line_no)
+        self._publish()
+
+    def _new_attempt(self, job_id, attempt, path):
+        att = Attempt(job_id, attempt, path)
+        att.ckpt.interval_s = self.ckpt_interval_s
+        return att
+
+    # -- commands (any thread) -------------------------------------------------------------
+
+    def submit(self, msg, wait=False):
+        """Queue a start or cancel from the server; the runner thread acts on it at once.
+        wait=True returns once it has (for tests and tools, never the connection)."""
+        done = threading.Event() if wait else None
+        self._commands.append((msg, done))
+        self._wake.set()
+        if done is not None:
+            done.wait(60)
+
+    def handle_start(self, msg, wait=False):
+        self.submit(dict(msg, type="start"), wait)
+
+    def handle_cancel(self, msg, wait=False):
+        self.submit(dict(msg, type="cancel"), wait)
+
+    def wake(self):
+        self._wake.set()
+
+    def stop(self, timeout=10.0):
+        self._stop.set()
+        self._wake.set()
+        super().stop(timeout)
+
+    # -- the loop (runner thread) ----------------------------------------------------------
+
+    def run(self):
+        while not self._stop.is_set():
+            try:
+                timeout = self.tick()
+            except Exception:
+                log.exception("%s: tick failed", self.name)
+                timeout = 1.0
+            if self._wake.wait(timeout):
+                self._wake.clear()
+
+    def tick(self):
+        """Commands, then every attempt that is due. -> seconds until something is due."""
+        self._run_commands()
+        now = time.monotonic()
+        due = now + IDLE_WAKE_S
+        for key, att in list(self.active.items()):
+            try:
+                due = min(due, self._tick_attempt(att))
+            except Exception:
+                log.exception("job %s attempt %s: watch failed", att.job_id, att.attempt)
+                due = min(due, now + 1.0)
+            if att.final:
+                self.active.pop(key, None)
+            self._run_commands()        # a start never waits behind another job's backlog
+        self._publish()
+        if now >= self._next_retention:
+            self._next_retention = now + 3600
+            self.remove_old_attempts()
+        return max(0.0, due - time.monotonic())
+
+    def _run_commands(self):
+        if self._in_commands:        # a start's own first look drains; no nesting
+            return
+        self._in_commands = True
+        try:
+            self._run_command_queue()
+        finally:
+            self._in_commands = False
+
+    def _run_command_queue(self):
+        ran = False
+        while self._commands:
+            msg, done = self._commands.popleft()
+            ran = True
+            try:
+                if msg.get("type") == "cancel":
+                    self._cancel(msg)
+                else:
+                    self._start(msg)
+            except Exception:
+                log.exception("%s for job %s attempt %s failed", msg.get("type"),
+                              msg.get("job_id"), msg.get("attempt"))
+            finally:
+                if done is not None:
+                    done.set()
+        if ran:
+            self._publish()
+
+    def _publish(self):
+        view = {}
+        for key, att in self.active.items():
+            if att.final:
+                continue
+            info = att.pid_info or {}
+            view[key] = {"job_id": att.job_id, "attempt": att.attempt, "run_id": att.run_id,
+                         "pid": info.get("pid"), "create_time": info.get("create_time"),
+                         "gpus": list(att.gpus), "working_dir": att.working_dir}
+        with self.lock:
+            self.view = view
+
+    def _start(self, msg):
+        job_id, attempt = int(msg["job_id"]), int(msg["attempt"])
+        key = f"{job_id}/{attempt}"
+        jdir = os.path.join(self.jobs_dir, str(job_id))
+        path = os.path.join(jdir, str(attempt))
+        make_private_dirs(jdir)
+        try:
+            os.mkdir(path, 0o700)       # the once-ever guard for (job_id, attempt)
+        except FileExistsError:
+            self._rereport(key, path)
+            return
+        msg = {k: v for k, v in msg.items() if k != "type"}
+        msg["type"] = "start"
+        if not msg.get("server_url"):
+            msg["server_url"] = self.server_url
+        env = job_environment(msg, secrets=self.secrets)
+        spec = {"start": msg, "received_at": now_ms()}
+        try:
+            argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
+            spec["exec"] = {"argv": argv, "executable": exe,
+                            "cwd": msg["working_dir"], "env": env}
+        except ValueError as e:
+            spec["exec"] = None
+            write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
+            open(os.path.join(path, "log"), "ab", opener=_private_opener).close()
+            write_json_atomic(os.path.join(path, "exit"), {
+                "exit_code": None, "signal": None, "ended_at": now_ms(),
+                "failure_kind": "DISPATCH_FAILED", "message": str(e)}, private=True)
+            log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
+        else:
+            write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
+        att = self._new_attempt(job_id, attempt, path)
+        self.active[key] = att
+        if spec["exec"] is not None:
+            self.launcher.launch(att)
+        self._tick_attempt(att)
+        if att.final:
+            del self.active[key]
+
+    def _rereport(self, key, path):
+        att = self.active.get(key)
+        if att is not None:
+            if att.running_reported and att.pid():
+                self._report_running(att)
+            return
+        rec = read_json(os.path.join(path, "reported"))
+        if rec:
+            fields = {k: rec[k] for k in ("job_id", "attempt", "state", "pid", "exit_code",
+                                          "signal", "failure_kind", "message") if k in rec}
+            self.outbox.append("job", fields)
+        log.info("start for known attempt %s: re-reported its state", key)
+
+    def _cancel(self, msg):
+        key = f"{int(msg['job_id'])}/{int(msg['attempt'])}"
+        att = self.active.get(key)
+        if att is None:
+            path = os.path.join(self.jobs_dir, str(int(msg["job_id"])), str(int(msg["attempt"])))
+            if os.path.isdir(path):
+                self._rereport(key, path)
+            return
+        if not os.path.exists(att.file("cancel")):
+            write_json_atomic(att.file("cancel"), {"requested_at": now_ms()}, private=True)
+            log.info("cancelling job %s attempt %s", att.job_id, att.attempt)
+        self._tick_attempt(att)
+        if att.final:
+            del self.active[key]
+
+    def _emitter(self, att):
+        def emit(kind, fields, state, nbytes):
+            seq = self.outbox.append(kind, fields, att=state)
+            if nbytes:
+                att.inflight.append((seq, nbytes))
+        return emit
+
+    def _tick_attempt(self, att):
+        """Look at one attempt; -> monotonic time it wants looking at again."""
+        now = time.monotonic()
+        if att.draining or att.final:   # a cancel arriving while its backlog drains
+            return now + 0.1
+        emit = self._emitter(att)
+        if att.pid() and not att.running_reported:
+            self._report_running(att)
+        room = att.backlog(self.outbox.acked) < self.backlog_max_bytes
+        got_lines = False
+        if att.pid():            # until the pid, lines wait: RUNNING comes before the first
+            for _ in range(4):
+                if not (room and att.log.poll(emit, False, LOG_READ_BYTES)):
+                    break
+                got_lines = True
+                room = att.backlog(self.outbox.acked) < self.backlog_max_bytes
+        if now >= att.next_hook and room and att.run_id is not None:
+            att.next_hook = now + self.hook_interval_s
+            self._hooks(att, emit)
+        cancel = read_json(att.file("cancel"))
+        if cancel is not None and not self.launcher.enforce_cancel(att, cancel):
+            return now + 0.1            # inside the grace period with survivors
+        exit_info = read_json(att.file("exit"))
+        if exit_info is None:
+            if self.launcher.shim_alive(att) or att.command_alive():
+                return self._next_look(att, now, got_lines)
+            exit_info = read_json(att.file("exit"))   # the shim may have just finished
+            if exit_info is None:
+                exit_info = {"exit_code": None, "signal": None, "ended_at": now_ms(),
+                             "failure_kind": "LOST",
+                             "message": "the job's shim vanished without an exit status "
+                                        "(host reboot or killed)"}
+        if att.pid() and not att.running_reported:
+            self._report_running(att)     # a fast job: say it ran before its lines
+        att.draining = True
+        try:
+            drained = self._drain(att, emit)
+        finally:
+            att.draining = False
+        if not drained:
+            return now + 0.5            # the server has a backlog to ack first
+        self._finish(att, exit_info, cancel)
+        return now + IDLE_WAKE_S
+
+    def _next_look(self, att, now, busy):
+        # Reading: back off while the log is quiet. Liveness: our own shims wake us; an
+        # adopted one (from before a restart) is polled.
+        att.poll_s = LOG_POLL_MIN_S if busy else min(LOG_POLL_MAX_S, att.poll_s * 2)
+        due = now + att.poll_s
+        if att.popen is None:
+            due = min(due, now + ADOPTED_CHECK_S)
+        if att.run_id is not None and (att.tb_dir or att.working_dir or att.watch_dir):
+            due = min(due, max(att.next_hook, now + LOG_POLL_MIN_S))
+        return due
+
+    def _drain(self, att, emit):
+        """Everything left of an ended attempt: the whole log, every TensorBoard point, the
+        final checkpoint scan; commands for other jobs run in between. -> False while the
+        backlog cap holds it back (the final record must come after all of it)."""
+        while True:
+            if att.backlog(self.outbox.acked) >= self.backlog_max_bytes:
+                return False
+            if att.log.poll(emit, True, LOG_READ_BYTES):
+                self._run_commands()
+                continue
+            break
+        if att.run_id is not None:
+            while att.backlog(self.outbox.acked) < self.backlog_max_bytes:
+                try:
+                    more = att.tb.poll(emit, final=True)
+                except Exception:
+                    log.exception("job %s attempt %s: TensorBoard tailing failed",
+                                  att.job_id, att.attempt)
+                    more = False
+                self._run_commands()
+                if not more:
+                    break
+            else:
+                return False
+            try:
+                att.ckpt.poll(emit, final=True)
+            except Exception:
+                log.exception("job %s attempt %s: checkpoint scan failed", att.job_id,
+                              att.attempt)
+        return True
+
+    def _hooks(self, att, emit):
+        try:
+            att.tb.poll(emit)
+        except Exception:
+            log.exception("job %s attempt %s: TensorBoard tailing failed", att.job_id,
+                          att.attempt)
+        try:
+            att.ckpt.poll(emit)
+        except Exception:
+            log.exception("job %s attempt %s: checkpoint scan failed", att.job_id,
+                          att.attempt)
+
+    def _report_running(self, att):
+        info = att.pid()
+        self.outbox.append("job", {
+            "job_id": att.job_id, "attempt": att.attempt, "state": "RUNNING",
+            "pid": info.get("pid"), "exit_code": None, "signal": None,
+            "failure_kind": None, "message": None},
+            att={"key": att.key, "running": True})
+        att.running_reported = True
+
+    def _finish(self, att, exit_info, cancel):
+        if exit_info.get("failure_kind") == "LOST":
+            kind, message = "LOST", exit_info["message"]
+        else:
+            kind, message = classify_exit(exit_info, att.file("log"), cancel)
+        rec = {"job_id": att.job_id, "attempt": att.attempt, "state": "EXITED",
+               "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
+               "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
+        self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
+                                                  "record": rec})
+        write_json_atomic(att.file("reported"), rec, private=True)
+        att.final = True
+        if att.popen is not None:
+            att.popen.poll()
+        log.info("job %s attempt %s exited: code %s signal %s failure %s", att.job_id,
+                 att.attempt, rec["exit_code"], rec["signal"], kind)
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def remove_old_attempts(self, now=None):
+        """Delete the files of attempts reported more than `retention_days` ago; the
+        directory stays with its `reported` record so a repeated start is still refused."""
+        if not self.retention_days or self.retention_days <= 0:
+            return 0
+        cutoff = (now or time.time()) - self.retention_days * 86400
+        removed = 0
+        for job_id, attempt in self.known():
+            key = f"{job_id}/{attempt}"
+            path = os.path.join(self.jobs_dir, str(job_id), str(attempt))
+            if key in self.active:
+                continue
+            try:
+                if os.stat(os.path.join(path, "reported")).st_mtime > cutoff:
+                    continue
+                names = [n for n in os.listdir(path) if n != "reported"]
+            except OSError:
+                continue
+            for name in names:
+                p = os.path.join(path, name)
+                try:
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p)
+                    else:
+                        os.unlink(p)
+                except OSError as e:
+                    log.warning("retention: cannot remove %s: %s", p, e)
+            if names:
+                removed += 1
+                log.info("retention: removed the files of job %s attempt %s", job_id, attempt)
+        return removed
+
+    # -- views for the other threads (no file work, one short lock) --------------------------
+
+    def _snapshot(self):
+        with self.lock:
+            return list(self.view.values())
+
+    def running(self):
+        """[(facts, pid)] of attempts whose command is alive now."""
+        return [(v, v["pid"]) for v in self._snapshot()
+                if v["pid"] and proc_alive(v["pid"], v["create_time"])]
+
+    def sync_message(self):
+        # Listed as running: every known attempt without its `reported` marker, which is
+        # written after the EXITED record is in the outbox (so one that ended a moment ago
+        # may still be listed; one known and not listed has its EXITED in the outbox).
+        known = self.known()
+        pids = {(v["job_id"], v["attempt"]): v["pid"] for v in self._snapshot()}
+        running = [{"job_id": j, "attempt": a, "pid": pids.get((j, a))} for j, a in known
+                   if not os.path.exists(os.path.join(self.jobs_dir, str(j), str(a),
+                                                      "reported"))]
+        return {"type": "sync", "running": running, "known": [[j, a] for j, a in known]}
+
+    def busy_gpus(self):
+        return {g for v in self._snapshot() for g in v["gpus"]}
+
+
 # ---------------------------------------------------------------------------------------
-# the shim: `python agent.py _shim DIR`, its own session, outlives the agent
+# the shim: its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
 
-# The shim runs as `python -c SHIM_SOURCE DIR`: a few stdlib imports instead of compiling
-# this whole file (and importing psutil), so a job starts ~100 ms sooner. The same text
-# defines shim_main in this module, so there is one copy of it.
+# The shim runs as `python -c SHIM_SOURCE DIR` and does not import this file: a few stdlib
+# imports instead of compiling it (and importing psutil), so a job starts ~100 ms sooner.
+# The same text defines shim_main in this module (`agent.py _shim DIR` runs it too), so
+# there is one copy of it. It starts with an environment of its own (shim_environment);
+# the job's comes from spec.json.
 SHIM_SOURCE = r"""
 import json, os, signal, subprocess, sys, time
 
 
-def _shim_write(path, obj, mode=0o644):
+def _shim_write(path, obj, mode=0o600):
     tmp = f"{path}.tmp{os.getpid()}"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         json.dump(obj, f)
@@ -1097,10 +1617,22 @@ def shim_main(path):
     # the agent may restart or its terminal may close; the job must not notice
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with open(os.path.join(path, "spec.json")) as f:
-        ex = json.load(f)["exec"]
-    logf = open(os.path.join(path, "log"), "ab", buffering=0)
     now_ms = lambda: int(time.time() * 1000)
+    logf = open(os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                        0o600), "ab", buffering=0)
+
+    def fail(msg):
+        logf.write(f"gpuplane: {msg}\n".encode())
+        _shim_write(os.path.join(path, "exit"), {
+            "exit_code": None, "signal": None, "ended_at": now_ms(),
+            "failure_kind": "DISPATCH_FAILED", "message": msg})
+        return 1
+
+    try:
+        with open(os.path.join(path, "spec.json")) as f:
+            ex = json.load(f)["exec"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return fail(f"the agent's start record for this job is unreadable: {e}")
     if os.path.exists(os.path.join(path, "cancel")):
         _shim_write(os.path.join(path, "exit"), {
             "exit_code": None, "signal": None, "ended_at": now_ms(),
@@ -1112,15 +1644,18 @@ def shim_main(path):
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 close_fds=True)
     except OSError as e:
-        msg = f"cannot execute {ex['argv'][0]}: {e.strerror or e}"
-        logf.write(f"gpuplane: {msg}\n".encode())
-        _shim_write(os.path.join(path, "exit"), {
-            "exit_code": None, "signal": None, "ended_at": now_ms(),
-            "failure_kind": "DISPATCH_FAILED", "message": msg})
-        return 1
+        return fail(f"cannot execute {ex['argv'][0]!r}: {e.strerror or e}")
+    except (ValueError, TypeError) as e:     # a NUL byte in argv or env, and the like
+        return fail(f"cannot execute {str(ex['argv'][0])[:200]!r}: {e}; "
+                    "fix the job's command or env")
     _shim_write(os.path.join(path, "pid"), {
         "pid": proc.pid, "create_time": _shim_ctime(proc.pid), "shim_pid": os.getpid(),
         "shim_create_time": _shim_ctime(os.getpid())})
+    try:      # wakes the agent's waiter; an agent that is gone is no reason to stop
+        sys.stdout.write("started\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
     rc = proc.wait()
     logf.close()
     _shim_write(os.path.join(path, "exit"), {
@@ -1435,8 +1970,9 @@ class TBTailer:
 class GpuProbe:
     FAKE_MEM_MB = 24576
 
-    def __init__(self, fake_gpus=0):
+    def __init__(self, fake_gpus=0, node=None):
         self.fake = int(fake_gpus)
+        self.node = node or socket.gethostname()
         self.nvml = None
         self.handles = []
         if self.fake:
@@ -1455,7 +1991,7 @@ class GpuProbe:
     def facts(self):
         if self.fake:
             return [{"index": i, "name": f"Fake GPU {i}", "memory_total_mb": self.FAKE_MEM_MB,
-                     "uuid": f"FAKE-{socket.gethostname()}-{i}", "fake": True}
+                     "uuid": f"FAKE-{self.node}-{i}", "fake": True}
                     for i in range(self.fake)]
         out = []
         for i, h in enumerate(self.handles):
@@ -1529,25 +2065,25 @@ class StatsReporter(Worker):
         step = ts // 1000     # time-based, so an agent restart never reuses a step
         seen = set()
         for att, pid in self.runner.running():
-            if att.run_id is None:
+            if att["run_id"] is None:
                 continue
             points = []
             cpu, rss = self._tree_usage(pid, seen)
             points.append(["sys/cpu_percent", step, cpu, ts])
             points.append(["sys/rss_mb", step, rss, ts])
             try:     # a full disk kills checkpoints: watch the job's own filesystem
-                free = shutil.disk_usage(att.working_dir).free / 2**20
+                free = shutil.disk_usage(att["working_dir"]).free / 2**20
                 points.append(["sys/disk_free_mb", step, round(free, 1), ts])
             except (OSError, TypeError):
                 pass
-            for g in att.gpus:
+            for g in att["gpus"]:
                 s = by_index.get(g)
                 if not s:
                     continue
                 for k in ("util", "mem_used_mb", "temp_c", "power_w"):
                     if s.get(k) is not None:
                         points.append([f"sys/gpu{g}/{k}", step, float(s[k]), ts])
-            self.outbox.append("metrics", {"ts": ts, "run_id": att.run_id,
+            self.outbox.append("metrics", {"ts": ts, "run_id": att["run_id"],
                                            "source": "system", "points": points})
         for pid in list(self._procs):
             if pid not in seen:
@@ -1590,6 +2126,24 @@ def ws_url(server):
     return server
 
 
+class _Session:
+    """What the three threads of one connection share; `lock` guards the send window."""
+
+    def __init__(self, cursor):
+        self.lock = threading.Lock()
+        self.sent_upto = cursor
+        self.inflight = None          # highest seq of the batch awaiting its ack
+        self.deadline = 0.0
+        self.restart = None           # a reason to start a new epoch
+        self.last_heard = time.monotonic()
+        self.answers_heartbeats = False
+        self.ended = threading.Event()
+        self.error = None
+
+    def end(self):
+        self.ended.set()
+
+
 class Connection:
     name = "gpuplane-agent-connection"
 
@@ -1603,6 +2157,9 @@ class Connection:
         self._ws = None
         self.connected = threading.Event()   # set while a session is welcomed
         self.synced = threading.Event()      # set once sync went out on this session
+        self._wake = threading.Event()       # the outbox grew, an ack came, or stop
+        self._send_lock = threading.Lock()
+        outbox.listeners.append(self._wake.set)
 
     def start(self):
         self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
@@ -1651,12 +2208,25 @@ class Connection:
                 ws.close()
             except Exception:
                 pass
+            try:       # a dead path sends nothing back: wake the reader ourselves
+                ws.sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, AttributeError):
+                pass
+            ws.event.set()
 
     def _send(self, obj):
-        self._ws.send(obj if isinstance(obj, str) else json.dumps(obj))
+        data = obj if isinstance(obj, str) else json.dumps(obj)
+        with self._send_lock:     # the sender and the heartbeat thread share the socket
+            ws = self._ws
+            if ws is None:
+                raise ConnectionError("connection closed")
+            ws.send(data)
 
     def _receive(self, timeout):
-        raw = self._ws.receive(timeout=timeout)
+        ws = self._ws
+        if ws is None:
+            return None
+        raw = ws.receive(timeout=timeout)
         if raw is None:
             return None
         try:
@@ -1698,69 +2268,128 @@ class Connection:
         log.info("connected to %s as %s (cursor %d, %d to send)", self.url,
                  self.config.name, cursor, self.outbox.last_seq - cursor)
         self.connected.set()
+        sess = _Session(cursor)
+        # Three threads a session: this one sends batches when the outbox or an ack wakes
+        # it; a reader applies what the server says; a heartbeat thread keeps time. None of
+        # them waits on another's work, so a busy outbox never delays a heartbeat.
+        threads = [threading.Thread(target=self._reader, args=(sess,), daemon=True,
+                                    name=self.name + "-reader"),
+                   threading.Thread(target=self._heartbeats, args=(sess,), daemon=True,
+                                    name=self.name + "-heartbeat")]
+        for t in threads:
+            t.start()
+        try:
+            self._sender(sess)
+        finally:
+            sess.end()
+            self._close()
+            for t in threads:
+                t.join(5)
+        if sess.error is not None:
+            raise sess.error
+
+    def _sender(self, sess):
         backlog = self.outbox.last_seq
-        sent_upto, inflight, inflight_deadline = cursor, None, 0.0
-        next_heartbeat = time.monotonic() + self.heartbeat_s
-        # A server that answers heartbeats is expected to keep answering: silence for
-        # three of them means the path is dead (no FIN or RST ever comes), so reconnect.
-        last_heard, answers_heartbeats = time.monotonic(), False
-        while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_heartbeat:
-                self._send({"type": "heartbeat", "ts": now_ms()})
-                next_heartbeat = now + self.heartbeat_s
-            if answers_heartbeats and now - last_heard > 3 * self.heartbeat_s:
-                log.warning("nothing from the server for %.0f s; reconnecting",
-                            now - last_heard)
+        while True:
+            self._wake.clear()
+            if self._stop.is_set() or sess.ended.is_set():
                 return
+            now = time.monotonic()
+            with sess.lock:
+                if sess.restart:
+                    self.outbox.restart_epoch(sess.restart)
+                    return
+                inflight, sent_upto = sess.inflight, sess.sent_upto
             if inflight is None:
                 if not self.synced.is_set():
                     self._maybe_sync(backlog)
                 items = self.outbox.pending_after(sent_upto)
                 if items:
+                    with sess.lock:
+                        if sess.sent_upto != sent_upto:     # a resend came in meanwhile
+                            continue
+                        sess.inflight = sess.sent_upto = items[-1][0]
+                        sess.deadline = now + self.ack_timeout_s
                     self._send(self.outbox.batch_message(items))
-                    inflight, sent_upto = items[-1][0], items[-1][0]
-                    inflight_deadline = now + self.ack_timeout_s
-            elif now > inflight_deadline:
+                    continue
+                timeout = None
+            elif now > sess.deadline:
                 log.warning("no ack for seq %d within %.0f s; reconnecting", inflight,
                             self.ack_timeout_s)
                 return
-            more = inflight is None and self.outbox.last_seq > sent_upto
-            # Short waits: new outbox records (an exit, log lines) go out within ~50 ms.
-            msg = self._receive(0.02 if more else 0.05)
-            if msg is None:
-                if not self._ws.connected:
-                    return
-                continue
-            last_heard = time.monotonic()
-            kind = msg.get("type")
-            if kind == "heartbeat":
-                answers_heartbeats = True
-            elif kind == "ack":
-                self.outbox.ack(msg.get("seq", 0))
-                if inflight is not None and int(msg.get("seq", 0)) >= inflight:
-                    inflight = None
-            elif kind == "resend":
-                start = int(msg.get("from", 1))
-                if start - 1 < self.outbox.acked:
-                    self.outbox.restart_epoch(f"server asked to resend from {start}, "
-                                              f"below acked {self.outbox.acked}")
-                    return
-                sent_upto, inflight = start - 1, None
-            elif kind == "start":
-                self._command(self.runner.handle_start, msg)
-            elif kind == "cancel":
-                self._command(self.runner.handle_cancel, msg)
-            elif kind == "welcome":
-                pass
             else:
-                log.debug("ignoring server message of type %r", kind)
+                timeout = sess.deadline - now
+            self._wake.wait(timeout)
+
+    def _reader(self, sess):
+        try:
+            while not sess.ended.is_set():
+                msg = self._receive(None)
+                if msg is None:
+                    if self._ws is None or not self._ws.connected:
+                        return
+                    continue
+                sess.last_heard = time.monotonic()
+                kind = msg.get("type")
+                if kind == "heartbeat":
+                    sess.answers_heartbeats = True
+                elif kind == "ack":
+                    seq = int(msg.get("seq", 0))
+                    self.outbox.ack(seq)
+                    with sess.lock:
+                        if sess.inflight is not None and seq >= sess.inflight:
+                            sess.inflight = None
+                    self._wake.set()
+                elif kind == "resend":
+                    start = int(msg.get("from", 1))
+                    with sess.lock:
+                        if start - 1 < self.outbox.acked:
+                            sess.restart = (f"server asked to resend from {start}, "
+                                            f"below acked {self.outbox.acked}")
+                        else:
+                            sess.sent_upto, sess.inflight = start - 1, None
+                    self._wake.set()
+                elif kind == "start":
+                    self.runner.handle_start(msg)
+                elif kind == "cancel":
+                    self.runner.handle_cancel(msg)
+                elif kind == "welcome":
+                    pass
+                else:
+                    log.debug("ignoring server message of type %r", kind)
+        except Exception as e:
+            if not sess.ended.is_set():
+                sess.error = e
+        finally:
+            sess.ended.set()
+            self._wake.set()
+
+    def _heartbeats(self, sess):
+        # A server that answers heartbeats is expected to keep answering: silence for
+        # three of them means the path is dead (no FIN or RST ever comes), so reconnect.
+        try:
+            while not sess.ended.is_set():
+                now = time.monotonic()
+                if sess.answers_heartbeats and now - sess.last_heard > 3 * self.heartbeat_s:
+                    log.warning("nothing from the server for %.0f s; reconnecting",
+                                now - sess.last_heard)
+                    return
+                self._send({"type": "heartbeat", "ts": now_ms()})
+                sess.ended.wait(self.heartbeat_s)
+        except Exception as e:
+            if not sess.ended.is_set():
+                sess.error = e
+        finally:
+            sess.ended.set()
+            self._wake.set()
 
     def _maybe_sync(self, backlog):
         # Wait for the backlog of this connection and every job record to be acked; newer
         # log/metric records need not hold it up. Snapshot first, then check: an attempt
         # that ended in between is still listed as running (harmless), never missing with
         # its EXITED unacked.
+        if self.outbox.acked < max(backlog, self.outbox.last_job_seq):
+            return
         msg = self.runner.sync_message()
         if self.outbox.acked >= max(backlog, self.outbox.last_job_seq):
             self._send(msg)
@@ -1768,15 +2397,9 @@ class Connection:
             log.info("sync sent: %d running, %d known", len(msg["running"]),
                      len(msg["known"]))
 
-    def _command(self, fn, msg):
-        try:
-            fn(msg)
-        except Exception:
-            log.exception("command %s for job %s attempt %s failed", msg.get("type"),
-                          msg.get("job_id"), msg.get("attempt"))
-
     def stop(self, timeout=10.0):
         self._stop.set()
+        self._wake.set()
         self._close()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -1791,14 +2414,16 @@ class Connection:
 class Agent:
     def __init__(self, config, kill_grace_s=KILL_GRACE_S):
         self.config = config
-        os.makedirs(config.agent_dir, exist_ok=True)
+        make_private_dirs(config.agent_dir)
         self.outbox = Outbox(config.agent_dir)
         http = config.server
         if http.startswith(("ws://", "wss://")):
             http = "http" + http[2:]
         self.runner = Runner(config.agent_dir, self.outbox, kill_grace_s=kill_grace_s,
-                             server_url=http.rstrip("/"))
-        self.probe = GpuProbe(config.fake_gpus)
+                             server_url=http.rstrip("/"), secrets=(config.token,),
+                             backlog_max_bytes=int(config.backlog_mb * 2**20),
+                             retention_days=config.job_retention_days)
+        self.probe = GpuProbe(config.fake_gpus, config.name)
         self.stats = StatsReporter(self.outbox, self.runner, self.probe, config.home,
                                    interval=config.stats_interval_s)
         self.connection = Connection(config, self.outbox, self.runner, self.probe)
@@ -1814,6 +2439,17 @@ class Agent:
         self.stats.stop()
         self.runner.stop()
         self.outbox.close()
+
+
+def _not_dumpable():
+    """Linux: other processes of this user (the jobs among them) cannot read this one's
+    memory or /proc/PID/environ, where the agent's token may sit."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv=None):
@@ -1836,15 +2472,24 @@ def main(argv=None):
     def on_signal(signum, _frame):
         stopping.append(signum)
 
+    # The handler only sets a flag; the wakeup fd ends the select below without polling.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _not_dumpable()
     agent = Agent(config)
     log.info("agent %s starting; home %s; server %s", config.name, config.home,
              config.server)
     agent.start()
-    idle = threading.Event()
+    import select
     while not stopping:
-        idle.wait(0.5)
+        try:
+            select.select([wake_r], [], [])
+            os.read(wake_r, 512)
+        except InterruptedError:
+            pass
     log.info("stopping (signal %d); running jobs keep running", stopping[0])
     agent.stop()
     return 0

@@ -14,6 +14,7 @@ import argparse
 import concurrent.futures
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def main():
     finally:
         for p in procs:
             stop_server(p)          # both run as their own process group
+        shutil.rmtree(home, ignore_errors=True)
 
     ms = lambda v: f"{v * 1000:.1f} ms"
     print(f"submit → process start over {args.jobs} jobs, idle node with {args.slots} fake GPUs")

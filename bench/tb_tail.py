@@ -103,7 +103,6 @@ def main():
     args = ap.parse_args()
 
     TBTailer = load_tailer()
-    crc = getattr(sys.modules[TBTailer.__module__], "TB_CRC32C", "?")
     tags = ["loss", "lr", "accuracy", "grad_norm", "val/loss"]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         t = time.perf_counter()
@@ -128,6 +127,8 @@ def main():
             assert n == args.scalars, n
             legacy.append(n / secs)
 
+    # which CRC the tailer uses is known once one has been made (it loads on first use)
+    crc = getattr(sys.modules[TBTailer.__module__], "TB_CRC32C", "?")
     a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(legacy)
     print(f"TBTailer.poll (crc32c: {crc}): {a:,.0f} scalars/s  (median of {len(ours)}: "
           + ", ".join(f"{x:,.0f}" for x in ours) + ")")

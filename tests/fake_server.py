@@ -13,7 +13,7 @@ import simple_websocket
 
 
 class FakeServer:
-    def __init__(self, token="agent-secret", ack=True, heartbeat_s=0.2):
+    def __init__(self, token="agent-secret", ack=True, heartbeat_s=0.2, keep_points=True):
         self.token = token
         self.heartbeat_s = heartbeat_s
         self.ack = ack                 # False: swallow batches (ack timeout path)
@@ -25,6 +25,11 @@ class FakeServer:
         self.batches = 0
         self.hellos, self.syncs, self.closes = [], [], []
         self.heartbeats = 0
+        self.heartbeat_times = []      # time.monotonic() of each heartbeat's arrival
+        self.heartbeat_sent = []       # the agent's `ts` of each heartbeat
+        # False: a metrics record keeps only `n_points` (millions of small lists would make
+        # this process's garbage collector, not the agent, the slow side of a test)
+        self.keep_points = keep_points
         self.rejected = 0
         self.ws = None                 # the live session
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -137,6 +142,8 @@ class FakeServer:
                         "cursor": self.cursor, "heartbeat_s": self.heartbeat_s}
             if kind == "heartbeat":
                 self.heartbeats += 1
+                self.heartbeat_times.append(time.monotonic())
+                self.heartbeat_sent.append(msg.get("ts"))
                 return None
             if kind == "sync":
                 self.syncs.append(msg)
@@ -151,6 +158,8 @@ class FakeServer:
                     return {"type": "resend", "from": self.cursor + 1}
                 for r in new:
                     assert not any(k.startswith("_") for k in r), r
+                    if not self.keep_points and r["kind"] == "metrics":
+                        r["n_points"] = len(r.pop("points"))
                     self.applied.append(r)
                 if new:
                     self.cursor = new[-1]["seq"]

@@ -36,8 +36,7 @@ def wait_until(predicate, timeout=20.0, what="condition"):
 
 
 def records(outbox, kind=None, job_id=None):
-    with outbox.lock:
-        recs = [json.loads(w) for _s, _r, w in outbox._pending]
+    recs = outbox.unacked()
     return [r for r in recs if (kind is None or r["kind"] == kind)
             and (job_id is None or r.get("job_id") == job_id)]
 
@@ -66,10 +65,15 @@ class Host:
         self.agent_dir = os.path.join(str(home), "agent")
         self.outbox = agent.Outbox(self.agent_dir)
         self.runner = agent.Runner(self.agent_dir, self.outbox, kill_grace_s=kill_grace_s,
-                                   server_url="http://fallback:8600", hook_interval_s=0.1)
-        self.runner.interval = 0.05
+                                   server_url="http://fallback:8600", hook_interval_s=0.1,
+                                   ckpt_interval_s=0.1)
         if thread:
             self.runner.start()
+            # the connection hands commands over and moves on; tests wait for them
+            for name in ("handle_start", "handle_cancel"):
+                setattr(self, name, getattr(self.runner, name))
+            self.runner.handle_start = lambda msg: self.handle_start(msg, wait=True)
+            self.runner.handle_cancel = lambda msg: self.handle_cancel(msg, wait=True)
 
     def exited(self, job_id):
         return job_records(self.outbox, job_id, "EXITED")
@@ -612,7 +616,6 @@ def make_agent(home, server, token=None):
     cfg = agent.Config(server=server.url, token=token or server.token, name="box",
                        home=str(home), fake_gpus=1, heartbeat_s=0.2, stats_interval_s=3600)
     a = agent.Agent(cfg, kill_grace_s=1.0)
-    a.runner.interval = 0.05
     a.connection.ack_timeout_s = 2.0
     return a
 
