@@ -23,14 +23,22 @@ up: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
+# Man pages from the argparse parsers (tests/test_install.py checks they are current).
+MANDIR ?= man
+MANPAGE = $(BIN)/argparse-manpage --project-name GPUPlane --manual-title "GPUPlane manual" \
+	--version "$$($(BIN)/python -c 'import gpuplane; print(gpuplane.__version__)')"
 man: $(VENV)/.installed
-	mkdir -p man
-	$(BIN)/argparse-manpage --module gpuplane.cli --function get_parser --prog gpuplane \
-		--project-name GPUPlane --version "$$($(BIN)/python -c 'import gpuplane; print(gpuplane.__version__)')" \
+	mkdir -p $(MANDIR)
+	$(MANPAGE) --module gpuplane.cli --function get_parser --prog gpuplane \
 		--description "a control plane for training on personal and small GPU machines" \
-		--manual-title "GPUPlane manual" \
-		--output man/gpuplane.1
-	@echo "wrote man/gpuplane.1 (view: man ./man/gpuplane.1)"
+		--output $(MANDIR)/gpuplane.1
+	$(MANPAGE) --pyfile agent.py --function build_parser --prog gpuplane-agent \
+		--description "the GPUPlane agent: runs jobs on this host's GPUs" \
+		--output $(MANDIR)/gpuplane-agent.1
+	$(MANPAGE) --pyfile mcp_server.py --function get_parser --prog gpuplane-mcp \
+		--description "the GPUPlane MCP server for coding agents" \
+		--output $(MANDIR)/gpuplane-mcp.1
+	@echo "wrote $(MANDIR)/gpuplane.1, gpuplane-agent.1, gpuplane-mcp.1 (view: man ./man/gpuplane.1)"
 
 # An offline install kit: GPUPlane and every dependency as wheels for this Python and
 # platform (docs/deploy.md). On the target: pip install --no-index --find-links wheels gpuplane

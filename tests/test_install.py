@@ -58,3 +58,16 @@ def test_systemd_units_verify(unit, tmp_path):
     r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(tmp_path / unit)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_man_pages_are_current(tmp_path):
+    """man/*.1 are made from the parsers by `make man`; a changed option needs them again."""
+    subprocess.run(["make", "-s", "man", f"MANDIR={tmp_path}", f"VENV={sys.prefix}"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    made = sorted(p.name for p in tmp_path.glob("*.1"))
+    assert made == ["gpuplane-agent.1", "gpuplane-mcp.1", "gpuplane.1"]
+
+    def body(path):   # the first line carries the build date
+        return path.read_text().split("\n", 1)[1]
+    stale = [name for name in made if body(tmp_path / name) != body(ROOT / "man" / name)]
+    assert not stale, f"man pages out of date: {stale}; run `make man` and commit them"
