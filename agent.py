@@ -1103,8 +1103,10 @@ class CheckpointHook:
                             sig, size = self._dir_signature(e.path)
                             found[e.path] = (sig, fmt, size)
                         elif is_dir:
+                            # HF writes tmp-checkpoint-N/ and renames it when complete
                             if depth < CKPT_MAX_DEPTH and not e.name.startswith(".") \
-                                    and e.name not in _TB_SKIP_DIRS:
+                                    and e.name not in _TB_SKIP_DIRS \
+                                    and not e.name.startswith("tmp-checkpoint-"):
                                 stack.append((e.path, depth + 1))
                         elif fmt and e.is_file(follow_symlinks=False):
                             st = e.stat(follow_symlinks=False)

@@ -272,6 +272,33 @@ def test_dispatch_failed_bad_dir_and_missing_command(tmp_path, hosts):
     assert not job_records(h.outbox, 3, "RUNNING")
 
 
+def test_dispatch_failed_when_the_shim_cannot_exec(tmp_path, hosts):
+    """A NUL byte in the command or env, or a program that vanished between the agent's
+    check and the shim's exec: DISPATCH_FAILED with a sentence, never LOST."""
+    h = hosts(tmp_path / "home")
+    h.runner.handle_start(start_msg(40, ["echo", "a\0b"], tmp_path))
+    rec = h.wait_exited(40)
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and "NUL byte" in rec["message"]
+    h.runner.handle_start(start_msg(41, "echo x", tmp_path, env={"K": "v\0w"}))
+    rec = h.wait_exited(41)
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and "'K'" in rec["message"]
+    # the shim itself, handed an exec record it cannot run
+    d = tmp_path / "att"
+    d.mkdir()
+    for argv, exe, words in ((["gone"], str(tmp_path / "gone"), "No such file"),
+                             (["x\0y"], "/bin/echo", "null byte")):
+        (d / "spec.json").write_text(json.dumps({"exec": {
+            "argv": argv, "executable": exe, "cwd": str(tmp_path), "env": {}}}))
+        (d / "exit").unlink(missing_ok=True)
+        assert subprocess.run(agent.shim_command() + [str(d)], env={}).returncode == 1
+        info = json.loads((d / "exit").read_text())
+        assert info["failure_kind"] == "DISPATCH_FAILED" and words in info["message"]
+    (d / "spec.json").write_text("{not json")
+    (d / "exit").unlink()
+    subprocess.run(agent.shim_command() + [str(d)], env={})
+    assert json.loads((d / "exit").read_text())["failure_kind"] == "DISPATCH_FAILED"
+
+
 def test_relative_command_resolves_in_working_dir(tmp_path, hosts):
     h = hosts(tmp_path / "home")
     script = tmp_path / "run.sh"
@@ -550,14 +577,182 @@ def test_checkpoint_watch(tmp_path, hosts):
     h.runner.handle_start(start_msg(18, [PY, "sleepy.py"], tmp_path, watch_dir="checkpoints"))
     (ck / "model-step=200.pt").write_bytes(b"w" * 100)
     (ck / "ignored.tmp").write_bytes(b"w")
+    (ck / "notes.txt").write_bytes(b"not a checkpoint")
     rec = wait_until(lambda: records(h.outbox, "checkpoint"), what="checkpoint")[0]
     assert rec["path"] == str(ck / "model-step=200.pt")
     assert rec["step"] == 200 and rec["size_bytes"] == 100 and rec["run_id"] == 118
+    assert rec["format"] == "pt" and rec["step_from"] == "name"
     h.runner.handle_cancel({"type": "cancel", "job_id": 18, "attempt": 1})
     h.wait_exited(18)
     assert len(records(h.outbox, "checkpoint")) == 1
-    assert agent.checkpoint_step("epoch_3.ckpt") == (None, 3.0)
-    assert agent.checkpoint_step("ckpt-1500.pt") == (1500, None)
+
+
+# What the frameworks write, by name (Lightning 2.x ModelCheckpoint with its default
+# filename and save_last, and a monitored filename; HF Trainer's output_dir with
+# save_steps; Keras ModelCheckpoint; plain torch.save and safetensors).
+LIGHTNING = ["lightning_logs/version_0/checkpoints/epoch=3-step=1200.ckpt",
+             "lightning_logs/version_0/checkpoints/epoch=4-step=1500-v1.ckpt",
+             "lightning_logs/version_0/checkpoints/last.ckpt",
+             "lightning_logs/version_0/checkpoints/epoch=2-val_loss=0.12.ckpt",
+             "lightning_logs/version_0/hparams.yaml"]
+HF_FILES = ["config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+            "rng_state.pth", "trainer_state.json", "training_args.bin"]
+
+
+def test_checkpoint_layouts_of_the_frameworks(tmp_path):
+    root = tmp_path / "out"
+    for rel in LIGHTNING + ["keras/model.05.keras", "keras/weights.h5", "torch/ckpt-1500.pt",
+                            "torch/epoch_7.pth", "st/model.safetensors",
+                            ".hidden/x.pt", "big.pt.partial"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * 10)
+    for step in (500, 1000):
+        for name in HF_FILES:
+            (root / "hf" / f"checkpoint-{step}").mkdir(parents=True, exist_ok=True)
+            (root / "hf" / f"checkpoint-{step}" / name).write_bytes(b"y" * 7)
+    (root / "hf" / "tmp-checkpoint-1500").mkdir()        # HF writes here, then renames
+    (root / "hf" / "tmp-checkpoint-1500" / "model.safetensors").write_bytes(b"z")
+    att = agent.Attempt(1, 1, str(tmp_path))
+    found = agent.CheckpointHook(att).scan(str(root))
+    rel = {os.path.relpath(p, root): (fmt, size) for p, (_sig, fmt, size) in found.items()}
+    assert rel == {
+        LIGHTNING[0]: ("lightning", 10), LIGHTNING[1]: ("lightning", 10),
+        LIGHTNING[2]: ("lightning", 10), LIGHTNING[3]: ("lightning", 10),
+        "keras/model.05.keras": ("keras", 10), "keras/weights.h5": ("keras", 10),
+        "torch/ckpt-1500.pt": ("pt", 10), "torch/epoch_7.pth": ("pt", 10),
+        "st/model.safetensors": ("safetensors", 10),
+        "hf/checkpoint-500": ("hf", 7 * len(HF_FILES)),
+        "hf/checkpoint-1000": ("hf", 7 * len(HF_FILES))}
+    steps = {r: agent.checkpoint_step(os.path.basename(r)) for r in rel}
+    assert steps[LIGHTNING[0]] == (1200, 3.0) and steps[LIGHTNING[1]] == (1500, 4.0)
+    assert steps[LIGHTNING[2]] == (None, None) and steps[LIGHTNING[3]] == (None, 2.0)
+    assert steps["hf/checkpoint-500"] == (500, None)
+    assert steps["torch/ckpt-1500.pt"] == (1500, None)
+    assert steps["torch/epoch_7.pth"] == (None, 7.0)
+    assert steps["st/model.safetensors"] == (None, None)
+
+
+def test_hf_checkpoint_written_just_before_exit_is_one_checkpoint(tmp_path, hosts):
+    """The job writes checkpoint-20/ and exits at once: the final scan registers it (the
+    process is gone, so it is complete), as ONE checkpoint at step 20, path absolute."""
+    h = hosts(tmp_path / "home")
+    code = ("import os\n"
+            "d = os.path.join('out', 'checkpoint-20')\n"
+            "os.makedirs(d)\n"
+            f"for n in {HF_FILES!r}:\n"
+            "    open(os.path.join(d, n), 'wb').write(b'w' * 5)\n"
+            "open('out/final.safetensors', 'wb').write(b'f' * 3)\n")
+    h.runner.handle_start(start_msg(30, [PY, "-c", code], tmp_path, watch_dir="out"))
+    h.wait_exited(30)
+    recs = records(h.outbox, "checkpoint")
+    by_path = {r["path"]: r for r in recs}
+    assert set(by_path) == {str(tmp_path / "out" / "checkpoint-20"),
+                            str(tmp_path / "out" / "final.safetensors")}
+    hf = by_path[str(tmp_path / "out" / "checkpoint-20")]
+    assert hf["format"] == "hf" and hf["step"] == 20 and hf["size_bytes"] == 5 * len(HF_FILES)
+    final = by_path[str(tmp_path / "out" / "final.safetensors")]
+    assert final["step"] is None and final["step_from"] == "latest"
+    # the final record comes after the checkpoints
+    kinds = [r["kind"] for r in records(h.outbox) if r.get("job_id", 30) == 30]
+    assert kinds[-1] == "job" and kinds.index("checkpoint") < len(kinds) - 1
+
+
+@pytest.mark.parametrize("watch", ["missing", "afile", "/", "loop"])
+def test_bad_watch_dirs_are_a_logged_skip(tmp_path, hosts, caplog, watch):
+    (tmp_path / "afile").write_text("x")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    h = hosts(tmp_path / "home")
+    with caplog.at_level(logging.WARNING, logger="gpuplane.agent"):
+        h.runner.handle_start(start_msg(31, "echo done", tmp_path, watch_dir=watch))
+        rec = h.wait_exited(31)
+    assert rec["exit_code"] == 0 and rec["failure_kind"] is None
+    assert not records(h.outbox, "checkpoint")
+    skips = [r.getMessage() for r in caplog.records if "not watching" in r.getMessage()]
+    assert len(skips) == 1 and repr(watch) in skips[0]
+
+
+def test_checkpoint_scan_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(agent, "CKPT_MAX_ENTRIES", 50)
+    monkeypatch.setattr(agent, "CKPT_MAX_DEPTH", 2)
+    deep = tmp_path / "a" / "b" / "c" / "d"
+    deep.mkdir(parents=True)
+    (deep / "deep.pt").write_bytes(b"x")
+    (tmp_path / "a" / "b" / "ok.pt").write_bytes(b"x")
+    for i in range(200):
+        (tmp_path / f"f{i:03d}.pt").write_bytes(b"x")
+    found = agent.CheckpointHook(agent.Attempt(1, 1, str(tmp_path))).scan(str(tmp_path))
+    assert len(found) <= 50
+    assert not any(p.endswith("deep.pt") for p in found)
+
+
+# ---------------------------------------------------------------------------------------
+# bounded while the server is away
+# ---------------------------------------------------------------------------------------
+
+def test_log_backlog_is_capped_and_every_line_arrives_once(tmp_path):
+    """With the server away, an attempt spools at most backlog_max_bytes of its log; the
+    rest waits in the job's own log file. As acks come, it flows on: each line once, in
+    order, and EXITED after the last."""
+    home = tmp_path / "home"
+    agent_dir = str(home / "agent")
+    ob = agent.Outbox(agent_dir)
+    runner = agent.Runner(agent_dir, ob, server_url="http://x", backlog_max_bytes=64 * 1024)
+    runner.start()
+    try:
+        n = 20_000
+        code = f"import sys\nfor i in range({n}): sys.stdout.write('line %06d ' % i + 'x' * 50 + chr(10))\n"
+        runner.handle_start(start_msg(50, [PY, "-c", code], tmp_path), wait=True)
+        log_path = home / "agent" / "jobs" / "50" / "1" / "log"
+        wait_until(lambda: os.path.exists(home / "agent" / "jobs" / "50" / "1" / "exit"),
+                   what="the job ended")
+        wait_until(lambda: ob.unacked() and sum(len(r.get("lines", ())) for r in ob.unacked())
+                   > 0, what="some lines")
+        spooled = os.path.getsize(ob.spool_path)
+        assert spooled < 4 * 64 * 1024 + 64 * 1024 < os.path.getsize(log_path)
+        seen = []
+        while True:     # the server comes back: ack everything, repeatedly
+            recs = ob.unacked()
+            seen.extend(ln[2] for r in recs if r["kind"] == "log" for ln in r["lines"])
+            if recs:
+                ob.ack(recs[-1]["seq"])
+            if any(r["kind"] == "job" and r["state"] == "EXITED" for r in recs):
+                break
+            wait_until(lambda: ob.last_seq > ob.acked, what="more records")
+        assert len(seen) == n and seen == [f"line {i:06d} " + "x" * 50 for i in range(n)]
+    finally:
+        runner.stop()
+        ob.close()
+
+
+def test_outbox_memory_holds_offsets_not_records(tmp_path):
+    ob = agent.Outbox(str(tmp_path / "agent"))
+    for i in range(300):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "y" * 1000]]},
+                  att={"key": "1/1", "offset": i})
+    assert not hasattr(ob, "_pending")
+    assert len(ob._offs) == 300 and ob.unacked()[299]["lines"][0][0] == 299
+    assert "_att" not in ob.unacked()[0]
+    ob.ack(100)
+    assert [r["seq"] for r in ob.unacked()][:1] == [101]
+    ob.close()
+    again = agent.Outbox(str(tmp_path / "agent"))
+    assert [r["seq"] for r in again.unacked()] == list(range(101, 301))
+    assert again.attempt_state("1/1")["offset"] == 299
+
+
+def test_retention_removes_old_attempt_files_and_keeps_the_guard(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    h.runner.handle_start(start_msg(60, "echo old", tmp_path))
+    h.wait_exited(60)
+    d = tmp_path / "home" / "agent" / "jobs" / "60" / "1"
+    wait_until(lambda: (d / "reported").exists(), what="the reported marker")
+    old = time.time() - 20 * 86400
+    os.utime(d / "reported", (old, old))
+    assert h.runner.remove_old_attempts() == 1
+    assert sorted(os.listdir(d)) == ["reported"]
+    h.runner.handle_start(start_msg(60, "echo old", tmp_path))    # never runs again
+    wait_until(lambda: len(h.exited(60)) == 2, what="re-reported")
+    assert h.runner.remove_old_attempts() == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -565,8 +760,11 @@ def test_checkpoint_watch(tmp_path, hosts):
 # ---------------------------------------------------------------------------------------
 
 def test_fake_gpus_and_system_metrics(tmp_path, hosts):
-    probe = agent.GpuProbe(fake_gpus=2)
+    probe = agent.GpuProbe(fake_gpus=2, node="box-a")
     facts = probe.facts()
+    # two agents on one host simulate two nodes: their GPUs must not look the same
+    other = agent.GpuProbe(fake_gpus=2, node="box-b").facts()
+    assert len({g["uuid"] for g in facts + other}) == 4
     assert [g["name"] for g in facts] == ["Fake GPU 0", "Fake GPU 1"]
     assert all(g["fake"] and g["memory_total_mb"] == 24576 for g in facts)
     sample = probe.sample({1})
