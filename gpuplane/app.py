@@ -16,8 +16,12 @@ def create_app(home=None, start_threads=True, **overrides):
     home = config_mod.home_dir(home)
     cfg, created = config_mod.ensure_server_config(home)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
+    config_mod.check_server_config(cfg)
     db = Database(home / "server" / "gpuctl.db")
     tokens.create(db, tokens.SERVER_ADMIN, "admin", secret=cfg["admin_token"])
+    # An admin token that server.toml no longer holds was rotated out: revoke it.
+    for name in tokens.revoke_old_admin(db, cfg["admin_token"]):
+        log.warning("revoked %s: server.toml holds another admin token now", name)
 
     app = Flask(__name__, static_folder=None)
     app.config.update(
@@ -44,8 +48,10 @@ def create_app(home=None, start_threads=True, **overrides):
     scheduler = Scheduler(db, lifecycle, cfg, is_connected=gateway.connected)
     lifecycle.bind(wake=scheduler.wake, agents=gateway)
     rollup = Rollup(db, cfg)
+    from .streams import StreamSlots
+    slots = StreamSlots(cfg["threads"], cfg["agent_threads"], cfg["rest_threads"])
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
-                      LIFECYCLE=lifecycle)
+                      LIFECYCLE=lifecycle, STREAMS=slots)
 
     for bp in blueprints():
         app.register_blueprint(bp)

@@ -45,6 +45,14 @@ class Conflict(ApiError):
     status, code = 409, "Conflict"
 
 
+class PayloadTooLarge(ApiError):
+    status, code = 413, "PayloadTooLarge"
+
+
+class Unavailable(ApiError):
+    status, code = 503, "Unavailable"
+
+
 _HTTP_CODES = {
     400: ("BadRequest", "the request could not be read; send JSON with Content-Type: application/json"),
     404: ("NotFound", "no such route; the API lives under /api/v1/ (see docs/api.md)"),
@@ -78,7 +86,10 @@ def register(app):
     app.url_map.converters["int"] = _Int64Converter
     @app.errorhandler(ApiError)
     def _api_error(e):
-        return error_response(e.status, e.code, e.message)
+        resp = error_response(e.status, e.code, e.message)
+        if getattr(e, "retry_after", None):
+            resp.headers["Retry-After"] = str(e.retry_after)
+        return resp
 
     @app.errorhandler(HTTPException)
     def _http_error(e):
@@ -90,6 +101,12 @@ def register(app):
 
     @app.errorhandler(Exception)
     def _unexpected(e):
-        log.exception("unhandled error")
+        from .db import is_write_failure
+        if is_write_failure(e):
+            log.error("a write to the database failed: %s", e)
+            return error_response(
+                503, "Unavailable",
+                f"the server cannot write to its database ({e}); whoever runs the server "
+                "must free disk space or make its home writable; retry then")
         return error_response(500, "InternalError",
                               "the server failed on this request; see the server log")

@@ -17,6 +17,7 @@ from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
 from .auth import requires
+from .streams import clear_timeout
 from .errors import ApiError
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
@@ -46,6 +47,7 @@ class AgentConnection:
         self.node = node
         self.lock = threading.Lock()     # simple_websocket's send is not thread-safe
         self.last_message = time.monotonic()
+        self.synced = False
 
     def send(self, msg):
         with self.lock:
@@ -128,6 +130,16 @@ class Gateway:
                     # docs/protocol.md: a refused token is a close with 4401 and a
                     # reason, which the agent can tell from a network failure
                     g.agent_auth_error = e
+                    return
+                # 503 + Retry-After beyond the thread budget (gpuplane/streams.py)
+                app.config["STREAMS"].acquire("agent")
+                g.agent_slot = True
+                clear_timeout(request.environ)    # this connection stays open on purpose
+
+        @app.teardown_request
+        def _agent_slot(_exc):
+            if g.pop("agent_slot", False):
+                app.config["STREAMS"].release("agent")
 
         @sock.route(WS_PATH)
         def agent_ws(ws):
@@ -233,7 +245,7 @@ class Gateway:
     def _dispatch(self, conn, msg):
         kind = msg["type"]
         if kind == "heartbeat":
-            nodes.seen(self.db, conn.node)
+            nodes.seen(self.db, conn.node, synced=conn.synced)
             # answered, so an agent behind a silent network black hole notices too
             conn.send({"type": "heartbeat", "ts": now_ms()})
         elif kind == "batch":
@@ -242,6 +254,7 @@ class Gateway:
         elif kind == "sync":
             for cmd in self.reconcile(conn.node, msg):
                 conn.send(cmd)
+            conn.synced = True
         else:
             raise _protocol(f"unknown message type {kind[:40]!r}")
 

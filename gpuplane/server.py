@@ -1,5 +1,7 @@
 """`gpuplane server`: gunicorn, one gthread worker, many threads, started programmatically."""
+import fcntl
 import logging
+import os
 import sys
 
 from gunicorn.app.base import BaseApplication
@@ -10,9 +12,10 @@ log = logging.getLogger("gpuplane")
 
 
 class _Gunicorn(BaseApplication):
-    def __init__(self, home, options):
+    def __init__(self, home, options, overrides=None):
         self.home = home
         self.options = options
+        self.overrides = overrides or {}
         super().__init__()
 
     def load_config(self):
@@ -21,7 +24,7 @@ class _Gunicorn(BaseApplication):
 
     def load(self):
         from .app import create_app
-        return create_app(self.home)
+        return create_app(self.home, **self.overrides)
 
 
 def _post_worker_init(worker):
@@ -53,13 +56,64 @@ def _worker_exit(server, worker):
         stop_app(app)
 
 
+class AlreadyRunning(Exception):
+    pass
+
+
+def lock_home(home):
+    """Hold an exclusive lock on the home for as long as this process (and the worker it
+    forks) lives: a second server on the same home would mark the first one's agents
+    disconnected and have their running jobs declared lost."""
+    path = home / "server.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = path.read_text().strip() or "?"
+        raise AlreadyRunning(f"another GPUPlane server (pid {pid}) is running on the home "
+                             f"{home}; stop it first, or give this one another home "
+                             "(--home or $GPUCTL_HOME)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def make_private(home):
+    """Home directories 0700, files 0600: the database holds job environments (secrets)
+    and server.toml the admin token. New files get it from the umask."""
+    os.umask(0o077)
+    for d in (home, home / "server"):
+        if d.is_dir():
+            os.chmod(d, 0o700)
+    for f in [home / "server.toml", *home.glob("server/gpuctl.db*"), *home.glob("*.log"),
+              *home.glob("logs/*")]:
+        if f.is_file():
+            os.chmod(f, 0o600)
+    if (home / "logs").is_dir():
+        os.chmod(home / "logs", 0o700)
+
+
 def serve(home=None, host=None, port=None, threads=None, log_level="info"):
     """Run the server in the foreground until SIGTERM/SIGINT."""
     home = config_mod.home_dir(home)
-    cfg, created = config_mod.ensure_server_config(home, host=host, port=port)
+    os.umask(0o077)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        lock = lock_home(home)     # noqa: F841 (held until exit); before touching anything
+        cfg, created = config_mod.ensure_server_config(home, host=host, port=port)
+        if threads:
+            cfg["threads"] = int(threads)
+        config_mod.check_server_config(cfg)
+    except (config_mod.ConfigError, AlreadyRunning) as e:
+        print(f"gpuplane: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    make_private(home)
     host = host or cfg["host"]
     port = int(port or cfg["port"])
-    threads = int(threads or cfg["threads"])
+    threads = int(cfg["threads"])
+    os.environ["GPUPLANE_HEADER_TIMEOUT_S"] = str(cfg["header_timeout_s"])
+    os.environ["GPUPLANE_IO_TIMEOUT_S"] = str(cfg["io_timeout_s"])
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if created:
@@ -69,7 +123,8 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
     options = {
         "bind": f"{host}:{port}",
         "workers": 1,                 # one process: SQLite writer, in-memory pub/sub
-        "worker_class": "gthread",
+        # gthread, except that request headers are read without holding a pool thread
+        "worker_class": "gpuplane.gunicorn_worker.Worker",
         "threads": threads,           # each agent WebSocket / SSE follower holds one
         "timeout": 120,
         "graceful_timeout": 3,        # open streams would otherwise delay shutdown 30 s
@@ -80,4 +135,4 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
         "post_worker_init": _post_worker_init,
         "worker_exit": _worker_exit,
     }
-    _Gunicorn(home, options).run()
+    _Gunicorn(home, options, {"threads": threads}).run()

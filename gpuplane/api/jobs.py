@@ -2,13 +2,16 @@
 import json
 import os
 import posixpath
+import select
+import socket
+import time
 
 from flask import Blueprint, Response, current_app, request
 
 from .. import lifecycle
-from ..auth import requires
+from ..auth import current_token, requires
 from ..db import jobs, logs, runs
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
 
@@ -16,6 +19,20 @@ bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
 
 STATES = ("QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 SSE_KEEPALIVE_S = 15
+MAX_COMMAND_BYTES = 32 * 1024      # the argv, each argument counted with its NUL
+MAX_ENV_BYTES = 64 * 1024          # every NAME=value, with its NUL
+REDACTED = "<redacted>"
+
+
+def job_view(job, with_env=True):
+    """A job as a client sees it: list views leave `env` out (it may be large, and it
+    holds secrets); a read token sees the names with the values redacted."""
+    job = dict(job)
+    if not with_env:
+        job.pop("env", None)
+    elif current_token()["scope"] not in ("admin", "write"):
+        job["env"] = {k: REDACTED for k in job.get("env") or {}}
+    return job
 
 
 def _job_or_404(job_id):
@@ -39,9 +56,16 @@ def parse_job_spec(data):
     else:
         raise BadRequest("'command' is required: a list of strings (argv), e.g. "
                          "[\"python\", \"train.py\", \"--epochs\", \"3\"], or one shell string")
-    if sum(len(a) for a in command) > 100_000:
-        raise BadRequest("'command' is longer than 100 000 characters")
+    size = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in command)
+    if size > MAX_COMMAND_BYTES:
+        raise PayloadTooLarge(f"'command' is {size} bytes; the limit is {MAX_COMMAND_BYTES} "
+                              "bytes (32 KiB): put long arguments in a file the job reads")
+    if any("\0" in a for a in command):
+        raise BadRequest("'command' contains a NUL byte, which no program can receive as an "
+                         "argument; remove it")
     working_dir = field(data, "working_dir", str, max_len=4096)
+    if "\0" in working_dir:
+        raise BadRequest("'working_dir' contains a NUL byte; give a real path")
     if not posixpath.isabs(working_dir):
         raise BadRequest(f"'working_dir' must be an absolute path on the agent's host, got "
                          f"{working_dir!r}; the CLI's -d \"$PWD/...\" gives one")
@@ -55,7 +79,12 @@ def parse_job_spec(data):
     for k, v in env.items():
         if not isinstance(v, str) or not k or "=" in k or "\0" in k + v:
             raise BadRequest(f"'env' must map names to string values (no '=' in names); "
-                             f"bad entry {k!r}")
+                             f"bad entry {k!r}"[:300])
+    size = sum(len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+               + 2 for k, v in env.items())
+    if size > MAX_ENV_BYTES:
+        raise PayloadTooLarge(f"'env' is {size} bytes; the limit is {MAX_ENV_BYTES} bytes "
+                              "(64 KiB): pass large values as files the job reads")
     name = field(data, "name", str, "", max_len=200).strip() or os.path.basename(command[0])
     depends_on, depends_any = _dependencies(data)
     return {
@@ -110,7 +139,8 @@ def list_jobs():
         if state not in STATES:
             raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
     limit = query_int("limit", 100, min=1, max=10000)
-    return {"jobs": jobs.list_jobs(current_db(), state, limit)}
+    return {"jobs": [job_view(j, with_env=False)
+                     for j in jobs.list_jobs(current_db(), state, limit)]}
 
 
 @bp.get("/jobs/<int:job_id>")
@@ -118,7 +148,7 @@ def list_jobs():
 def show(job_id):
     job = _job_or_404(job_id)
     job["attempts"] = attempts(current_db(), job_id)
-    return job
+    return job_view(job)
 
 
 def attempts(db, job_id):
@@ -138,7 +168,7 @@ def cancel(job_id):
     job, accepted = current_lifecycle().cancel(job_id)
     if not accepted:
         raise Conflict(f"job {job_id} already ended ({job['state']}); nothing to cancel")
-    return job
+    return job_view(job)
 
 
 @bp.post("/jobs/<int:job_id>/retry")
@@ -149,7 +179,7 @@ def retry(job_id):
     if not ok:
         raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
                        "be retried (cancel it first)")
-    return job
+    return job_view(job)
 
 
 def _queued_only(job, verb):
@@ -163,7 +193,7 @@ def hold(job_id):
     job, ok = current_lifecycle().hold(job_id, True)
     if not ok:
         _queued_only(job, "held")
-    return job
+    return job_view(job)
 
 
 @bp.post("/jobs/<int:job_id>/release")
@@ -173,7 +203,7 @@ def release(job_id):
     job, ok = current_lifecycle().hold(job_id, False)
     if not ok:
         _queued_only(job, "released")
-    return job
+    return job_view(job)
 
 
 @bp.patch("/jobs/<int:job_id>")
@@ -192,7 +222,7 @@ def edit(job_id):
                                               depends_on=depends_on, depends_any=depends_any)
     if not ok:
         _queued_only(job, "edited")
-    return job
+    return job_view(job)
 
 
 @bp.get("/jobs/<int:job_id>/logs")
@@ -212,17 +242,42 @@ def stream_logs(job_id):
         try:
             last_id = int(last)
         except ValueError:
-            raise BadRequest("Last-Event-ID must be the id of a line this stream sent") from None
+            last_id = -1
+        if not 0 <= last_id < 2**63:
+            raise BadRequest("Last-Event-ID must be the id of a line this stream sent")
         backlog = None
     else:
         last_id = 0
         backlog = query_int("tail", 100, min=0, max=2000)
     db, hub = current_db(), current_app.config["HUB"]
-    return Response(_sse(db, hub, job_id, last_id, backlog), mimetype="text/event-stream",
+    slots = current_app.config["STREAMS"]
+    slots.acquire("sse")        # 503 + Retry-After beyond the followers' share of threads
+    gone = _gone_check(request.environ.get("gunicorn.socket"))
+    resp = Response(_sse(db, hub, job_id, last_id, backlog, gone), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp.call_on_close(lambda: slots.release("sse"))
+    return resp
 
 
-def _sse(db, hub, job_id, last_id, backlog):
+def _gone_check(sock):
+    """Whether the follower hung up (its socket reads EOF), so its thread and its slot
+    come back within a second instead of at the next keepalive write."""
+    if sock is None:
+        return lambda: False
+
+    def gone():
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            return True
+    return gone
+
+
+def _sse(db, hub, job_id, last_id, backlog, gone=lambda: False):
     # The headers go out with the first chunk: without this a follower of a quiet job
     # would see no answer at all until the first keepalive, 15 s later.
     yield ": following\n\n"
@@ -245,9 +300,14 @@ def _sse(db, hub, job_id, last_id, backlog):
             yield from _events(logs.after(db, job_id, last_id, limit=100_000))
             yield f"event: end\ndata: {json.dumps({'state': job and job['state']})}\n\n"
             return
-        if hub.wait(version, SSE_KEEPALIVE_S) == version:
-            # Nothing new: a comment line, so a vanished client frees this thread.
-            yield ": keepalive\n\n"
+        quiet_since = time.monotonic()
+        while hub.wait(version, 1.0) == version and not hub.closed:
+            if gone():
+                return
+            if time.monotonic() - quiet_since >= SSE_KEEPALIVE_S:
+                # Nothing new: a comment line, so a vanished client frees this thread.
+                yield ": keepalive\n\n"
+                quiet_since = time.monotonic()
 
 
 def _events(lines):

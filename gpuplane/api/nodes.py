@@ -40,7 +40,14 @@ def node_views(db):
 @bp.get("/health")
 @requires("public")
 def health():
-    return {"ok": True, "version": __version__}
+    db = current_db()
+    failing = db.write_error and db.probe_write()
+    if failing:
+        message = (f"the server cannot write to its database ({failing}); free disk space "
+                   "or make the server's home writable")
+        return {"ok": False, "version": __version__, "writes": f"failing: {failing}",
+                "error": {"code": "Unavailable", "message": message}}, 503
+    return {"ok": True, "version": __version__, "writes": "ok"}
 
 
 @bp.get("/nodes")
@@ -49,14 +56,20 @@ def list_nodes():
     return {"nodes": node_views(current_db())}
 
 
+def _brief(job_list):
+    # List views leave `env` out: it may be 64 KiB a job, and it holds secrets.
+    return [{k: v for k, v in j.items() if k != "env"} for j in job_list]
+
+
 @bp.get("/queue")
 @requires("read")
 def queue():
-    return {"jobs": jobs.queued(current_db())}
+    return {"jobs": _brief(jobs.queued(current_db()))}
 
 
 @bp.get("/status")
 @requires("read")
 def status():
     db = current_db()
-    return {"nodes": node_views(db), "queue": jobs.queued(db), "running": jobs.active(db)}
+    return {"nodes": node_views(db), "queue": _brief(jobs.queued(db)),
+            "running": _brief(jobs.active(db))}

@@ -91,9 +91,18 @@ def stream():
             resp.headers["Retry-After"] = "5"
             return resp
         _open[app] = _open.get(app, 0) + 1
-    return Response(_run(app, current_db(), app.config["HUB"], topics),
+    slots = app.config["STREAMS"]       # the followers' share of the thread budget
+    try:
+        slots.acquire("sse")
+    except Exception:
+        with _lock:
+            _open[app] -= 1
+        raise
+    resp = Response(_run(app, current_db(), app.config["HUB"], topics),
                     mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp.call_on_close(lambda: slots.release("sse"))
+    return resp
 
 
 def _label(name, arg):

@@ -225,6 +225,7 @@ class Database:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
+        self.write_error = None      # why the last write failed (disk full, read-only)
         self.migrate()
 
     def _connect(self):
@@ -261,8 +262,12 @@ class Database:
             conn.close()
 
     @contextlib.contextmanager
-    def tx(self):
-        """One write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error."""
+    def tx(self, durable=False):
+        """One write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error.
+
+        durable: the commit is fsynced before this returns (synchronous=FULL), for the
+        transactions after which an agent forgets what it sent (the outbox ack); the rest
+        use NORMAL, which may lose the last commits on power loss but never corrupts."""
         conn = self.conn
         if conn.in_transaction:
             # Joining quietly would make the inner caller believe its writes are
@@ -271,14 +276,36 @@ class Database:
                 "db.tx() inside a transaction; call the function that takes `conn` "
                 "with the outer transaction's connection instead")
         with self._write_lock:
-            conn.execute("BEGIN IMMEDIATE")
+            if durable:
+                conn.execute("PRAGMA synchronous=FULL")
             try:
+                conn.execute("BEGIN IMMEDIATE")
                 yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
+                conn.execute("COMMIT")
+            except BaseException as e:
+                if conn.in_transaction:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                if is_write_failure(e):
+                    self.write_error = str(e)
                 raise
             else:
-                conn.execute("COMMIT")
+                self.write_error = None
+            finally:
+                if durable:
+                    conn.execute("PRAGMA synchronous=NORMAL")
+
+    def probe_write(self):
+        """After a failed write: can the file be written again? (Rewrites page 1.)"""
+        try:
+            with self.tx() as c:
+                v = c.execute("PRAGMA user_version").fetchone()[0]
+                c.execute(f"PRAGMA user_version = {int(v)}")
+        except sqlite3.Error:
+            pass
+        return self.write_error
 
     def query(self, sql, params=()):
         return self.conn.execute(sql, params).fetchall()
@@ -305,6 +332,14 @@ def savepoint(conn, name="sp"):
         conn.execute(f"RELEASE {name}")
         raise
     conn.execute(f"RELEASE {name}")
+
+
+def is_write_failure(e):
+    """The database cannot be written (disk full, read-only file or directory, I/O error):
+    the server's trouble, answered 503, and reported by /health."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    return isinstance(e, sqlite3.OperationalError) and name.startswith(
+        ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN"))
 
 
 def loads(text, default=None):

@@ -48,9 +48,12 @@ def set_stats(conn, name, stats):
     conn.execute("UPDATE nodes SET stats = ? WHERE name = ?", (dumps(stats), name))
 
 
-def seen(db, name):
+def seen(db, name, synced=False):
+    """A heartbeat from the node's live connection: it is connected, whatever the row says
+    (a server started on the same home, or a crash, may have marked it otherwise)."""
     with db.tx() as c:
-        c.execute("UPDATE nodes SET last_seen = ? WHERE name = ?", (now_ms(), name))
+        c.execute("UPDATE nodes SET last_seen = ?, state = 'connected', disconnected_at = NULL,"
+                  " synced = MAX(synced, ?) WHERE name = ?", (now_ms(), int(synced), name))
 
 
 def set_synced(conn, name):

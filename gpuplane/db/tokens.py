@@ -58,3 +58,14 @@ def revoke(db, token_id):
         return c.execute("UPDATE tokens SET revoked = 1 WHERE id = ?", (token_id,)).rowcount
 
 
+
+
+def revoke_old_admin(db, current_secret):
+    """Revoke every token that came from an earlier server.toml (not the current one).
+    Returns their descriptions, for the log."""
+    with db.tx() as c:
+        rows = c.execute("SELECT id FROM tokens WHERE name = ? AND scope = 'admin'"
+                         " AND revoked = 0 AND secret_hash != ?",
+                         (SERVER_ADMIN, hash_secret(current_secret))).fetchall()
+        c.executemany("UPDATE tokens SET revoked = 1 WHERE id = ?", [(r["id"],) for r in rows])
+    return [f"admin token {r['id']} (an earlier server.toml admin_token)" for r in rows]

@@ -1,0 +1,140 @@
+"""The gunicorn worker class: gthread, except that no pool thread waits for a slow client.
+
+gunicorn's `ThreadWorker` hands a connection to a pool thread as soon as its first byte
+arrives, and that thread then reads the request headers with blocking reads and no
+timeout: a client that sends `GET / HTTP/1.1\\r\\n` and stops holds a thread for ever, and
+some dozens of them freeze the API (docs/security.md). This worker reads the header block
+in the worker's own poller instead, without blocking: a connection reaches the pool only
+once its headers are complete, and one that has not finished them `header_timeout_s`
+after its first byte (or after connecting) is closed. Body reads and response writes get
+a per-operation socket timeout (`io_timeout_s`); the long-lived routes (the agent
+WebSocket) clear it through `environ["gunicorn.socket"]`.
+
+Given to gunicorn as `worker_class = "gpuplane.gunicorn_worker.Worker"`; the two timeouts
+come from the environment the server sets before it starts gunicorn.
+"""
+import os
+import selectors
+import time
+from functools import partial
+
+from gunicorn.workers.gthread import ThreadWorker
+
+HEADER_TIMEOUT_ENV = "GPUPLANE_HEADER_TIMEOUT_S"
+IO_TIMEOUT_ENV = "GPUPLANE_IO_TIMEOUT_S"
+MAX_HEADER_BYTES = 64 * 1024
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 99\r\n\r\n"
+              b'{"error": {"code": "HeadersTooLarge", "message": "request headers over 64 KiB; send fewer"}}\n')
+
+
+class Worker(ThreadWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV) or 5)
+        self.io_timeout = float(os.environ.get(IO_TIMEOUT_ENV) or 30)
+        self._reading = {}          # conn -> deadline, while its headers come in
+
+    # -- headers are read here, on the worker's own loop ---------------------------------
+
+    def enqueue_req(self, conn):
+        if self.cfg.is_ssl or conn.__dict__.pop("_headers_ready", False):
+            return super().enqueue_req(conn)
+        pre = b""
+        if conn.initialized and conn.parser is not None:
+            pre = conn.parser.unreader.take_buffered()    # a pipelined next request
+        conn._pre = bytearray(pre)
+        if b"\r\n\r\n" in conn._pre:
+            return self._dispatch(conn)
+        conn.sock.setblocking(False)
+        self._reading[conn] = time.monotonic() + self.header_timeout
+        self.poller.register(conn.sock, selectors.EVENT_READ,
+                             partial(self._on_header_bytes, conn))
+
+    def _on_header_bytes(self, conn, sock):
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            return self._drop(conn)
+        conn._pre += data
+        if b"\r\n\r\n" in conn._pre:
+            self._unwatch(conn)
+            self._dispatch(conn)
+        elif len(conn._pre) > MAX_HEADER_BYTES:
+            try:
+                sock.send(_TOO_LARGE)
+            except OSError:
+                pass
+            self._drop(conn)
+
+    def _dispatch(self, conn):
+        conn.data_ready = True      # gthread's handle() must not wait for data again
+        conn._headers_ready = True
+        super().enqueue_req(conn)
+
+    def _unwatch(self, conn):
+        self._reading.pop(conn, None)
+        try:
+            self.poller.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _drop(self, conn):
+        self._unwatch(conn)
+        self.nr_conns -= 1
+        conn.close()
+
+    def murder_pending(self):
+        super().murder_pending()
+        now = time.monotonic()
+        for conn in [c for c, deadline in self._reading.items() if deadline <= now]:
+            self._drop(conn)
+
+    # -- in the pool thread ----------------------------------------------------------------
+
+    def handle(self, conn):
+        pre = bytes(conn.__dict__.pop("_pre", b""))
+        try:
+            conn.sock.setblocking(True)
+            conn.init()
+            if pre:
+                conn.parser.unreader.unread(pre)
+        except OSError:
+            return False
+        return super().handle(conn)
+
+    def handle_request(self, req, conn):
+        # Headers are in; a body that stops coming or a reader that stops reading gives
+        # up after io_timeout_s per operation instead of holding this thread.
+        conn.sock.settimeout(self.io_timeout)
+        return super().handle_request(req, conn)
+
+    def load_wsgi(self):
+        super().load_wsgi()
+        self.wsgi = _close_after_unread_body(self.wsgi)
+
+
+def _close_after_unread_body(app):
+    """An error answered before the body was read (401, 404, 413 to a big batch): gunicorn
+    drains at most 64 KiB of it and otherwise drops the connection after saying
+    keep-alive, so the client's next request on it would get no answer. Say close."""
+    def wrapped(environ, start_response):
+        def start(status, headers, exc_info=None):
+            if int(status[:3]) >= 400 and _content_length(environ) > 0:
+                response = getattr(start_response, "__self__", None)
+                if response is not None and hasattr(response, "force_close"):
+                    response.force_close()
+            return start_response(status, headers, exc_info)
+        return app(environ, start)
+    return wrapped
+
+
+def _content_length(environ):
+    try:
+        return int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return 0
