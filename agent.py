@@ -1338,6 +1338,10 @@ class Runner(Worker):
         spec = {"start": msg, "received_at": now_ms()}
         try:
             argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
+            for need in msg.get("require_paths") or []:
+                if not os.path.exists(need):
+                    raise ValueError(f"{need} does not exist on this host (deleted or moved?); "
+                                     "nothing to run against")
             spec["exec"] = {"argv": argv, "executable": exe,
                             "cwd": msg["working_dir"], "env": env}
         except ValueError as e:

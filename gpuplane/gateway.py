@@ -102,7 +102,11 @@ class Gateway:
                 "working_dir": job["working_dir"], "env": job["env"],
                 "gpus": job["gpu_indices"] or [], "cpu_only": job["cpu_only"],
                 "tb_dir": job["tb_dir"], "watch_dir": job["watch_dir"],
-                "server_url": self.server_url(), "ingest_token": ingest_token}
+                "server_url": self.server_url(), "ingest_token": ingest_token,
+                # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
+                "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]
+                if job["kind"] == "EVALUATE" and job["env"].get("GPUCTL_CHECKPOINT_PATH")
+                else []}
 
     def close_all(self):
         with self._lock:
@@ -328,9 +332,15 @@ class Gateway:
                                       "host": rec.get("host") or {}, "ts": ts})
             return False
         if kind == "checkpoint":
-            checkpoints.add(c, int(rec["run_id"]), str(rec["path"]), rec.get("step"),
-                            rec.get("epoch"), rec.get("size_bytes"), rec.get("fingerprint"),
-                            ts)
+            run_id = int(rec["run_id"])
+            if runs.exists(c, run_id):
+                step = rec.get("step")
+                checkpoints.register(
+                    c, run_id, str(rec["path"]),
+                    step=int(step) if step is not None else None, step_source="name",
+                    epoch=float(rec["epoch"]) if rec.get("epoch") is not None else None,
+                    size_bytes=rec.get("size_bytes"), fingerprint=rec.get("fingerprint"),
+                    fmt=rec.get("format"), source="watcher", ts=ts)
             return False
         if kind == "event":
             events.add(c, str(rec["type"]), str(rec.get("message", "")),

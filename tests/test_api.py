@@ -30,7 +30,8 @@ def _url(rule, run_id, job_id):
     url = re.sub(r"<int:run_id>", str(run_id), rule)
     url = re.sub(r"<int:job_id>", str(job_id), url)
     url = re.sub(r"<int:[a-z_]+>", "1", url)
-    return re.sub(r"<(path:)?[a-z_]+>", "train/loss", url)
+    url = re.sub(r"<path:[a-z_]+>", "train/loss", url)
+    return re.sub(r"<[a-z_]+>", "p", url)        # project and experiment names
 
 
 def _assert_error(resp, status, code=None):

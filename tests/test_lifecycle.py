@@ -259,13 +259,19 @@ def test_tx_refuses_to_nest(w):
         c.execute("SELECT 1")
 
 
-def test_one_checkpoint_per_run_path_and_fingerprint(w):
+def test_one_checkpoint_per_run_and_path(w):
+    # docs/checkpoints.md: the same file is one checkpoint, whoever reports it and however
+    # often; a new fingerprint (the file was rewritten) updates that checkpoint
     run_id = w.lc.register_run(source="sdk", project="p", experiment="", name="r",
                                config={})
     with w.db.tx() as c:
-        a = checkpoints.add(c, run_id, "/c/1.pt", 10, None, 5, "fp1", 1)
-        b = checkpoints.add(c, run_id, "/c/1.pt", 10, None, 5, "fp1", 2)
-        d = checkpoints.add(c, run_id, "/c/1.pt", 20, None, 6, "fp2", 3)
-        e = checkpoints.add(c, run_id, "/c/2.pt", 30, None, 7, None, 4)
-        f = checkpoints.add(c, run_id, "/c/2.pt", 30, None, 7, None, 5)
-    assert a == b and d != a and e == f
+        a, _ = checkpoints.register(c, run_id, "/c/1.pt", step=10, size_bytes=5,
+                                    fingerprint="fp1", ts=1)
+        b, _ = checkpoints.register(c, run_id, "/c/1.pt", step=10, size_bytes=5,
+                                    fingerprint="fp1", ts=2)
+        d, _ = checkpoints.register(c, run_id, "/c/1.pt", step=20, step_source="name",
+                                    size_bytes=6, fingerprint="fp2", source="watcher", ts=3)
+        e, _ = checkpoints.register(c, run_id, "/c/2.pt", step=30, size_bytes=7, ts=4)
+    assert a == b == d and e != a
+    row = checkpoints.get(w.db, a)
+    assert (row["fingerprint"], row["size_bytes"], row["step"]) == ("fp2", 6, 10)

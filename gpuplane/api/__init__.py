@@ -3,7 +3,8 @@ import importlib
 
 from flask import current_app
 
-MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "semantic", "stream", "routes")
+MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "semantic", "stream", "routes",
+           "checkpoints", "projects")
 
 
 def blueprints():

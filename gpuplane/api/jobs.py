@@ -87,6 +87,14 @@ def parse_job_spec(data):
                               "(64 KiB): pass large values as files the job reads")
     name = field(data, "name", str, "", max_len=200).strip() or os.path.basename(command[0])
     depends_on, depends_any = _dependencies(data)
+    eval_command = data.get("eval_command")
+    if isinstance(eval_command, str) and eval_command.strip():
+        eval_command = ["/bin/sh", "-c", eval_command]
+    elif eval_command is not None and not (
+            isinstance(eval_command, list) and eval_command
+            and all(isinstance(a, str) for a in eval_command) and eval_command[0]):
+        raise BadRequest("'eval_command' must be an argv list of strings (or one shell "
+                         "string): the command that evaluates one checkpoint")
     return {
         "name": name, "command": command, "working_dir": working_dir,
         "gpus": gpus, "cpu_only": cpu_only,
@@ -99,6 +107,7 @@ def parse_job_spec(data):
         "watch_dir": field(data, "watch_dir", str, None, max_len=4096, nullable=True),
         "depends_on": depends_on, "depends_any": depends_any,
         "held": field(data, "held", bool, False),
+        "eval_command": eval_command,
     }
 
 

@@ -1,11 +1,10 @@
-"""Runs: list and show; SDK registration, finish, checkpoints and events."""
+"""Runs: list and show; SDK registration, finish and events (checkpoints: api/checkpoints.py)."""
 import math
-import os
 
 from flask import Blueprint, request
 
 from ..auth import requires
-from ..db import checkpoints, dumps, events, jobs, now_ms, runs
+from ..db import dumps, events, now_ms, runs
 from ..errors import BadRequest, NotFound
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
@@ -76,27 +75,6 @@ def _opt_number(data, name, kind):
             isinstance(v, float) and not math.isfinite(v)):
         raise BadRequest(f"'{name}' must be a number or null")
     return kind(v)
-
-
-@bp.post("/runs/<int:run_id>/checkpoints")
-@requires("run")
-def add_checkpoint(run_id):
-    run = run_or_404(run_id)
-    data = body()
-    path = field(data, "path", str, max_len=4096)
-    if not path:
-        raise BadRequest("'path' must not be empty")
-    if not os.path.isabs(path) and run["job_id"]:
-        # Relative paths are relative to the job's working dir on its host.
-        job = jobs.get(current_db(), run["job_id"])
-        path = os.path.normpath(os.path.join(job["working_dir"], path))
-    step = _opt_number(data, "step", int)
-    epoch = _opt_number(data, "epoch", float)
-    size = _opt_number(data, "size_bytes", int)
-    with current_db().tx() as c:
-        checkpoint_id = checkpoints.add(c, run_id, path, step, epoch, size, None, now_ms())
-    return {"id": checkpoint_id, "run_id": run_id, "path": path, "step": step,
-            "epoch": epoch, "size_bytes": size}, 201
 
 
 @bp.post("/runs/<int:run_id>/events")

@@ -1,7 +1,7 @@
 """The semantic layer over REST: diagnosis, comparisons, failure explanations.
 
   GET /runs/<id>/diagnosis?key=           diagnose_run (key: the metric that decides)
-  GET /runs:compare?ids=1,2&keys=a,b      compare_runs
+  GET /runs:compare?ids=1,2&keys=a,b      compare_runs (&key=K adds K's aligned overlay series)
   GET /jobs/<id>/explanation              explain_failure
   GET /checkpoints:compare?runs=1,2&key=  compare_checkpoints, with the recommendation
 The work is in gpuplane/semantic.py (pure functions) on data from gpuplane/db/semantic.py.
@@ -11,10 +11,11 @@ import math
 
 from flask import Blueprint, Response, request
 
-from .. import semantic
+from .. import recommend, semantic
 from ..auth import requires
 from ..db import metrics, now_ms, semantic as load
 from ..errors import BadRequest, NotFound
+from .validate import query_int
 from . import current_db
 
 bp = Blueprint("semantic", __name__, url_prefix="/api/v1")
@@ -83,6 +84,11 @@ def compare_runs():
         result = semantic.compare_runs(bundles, keys=keys, primary=request.args.get("key"))
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    if request.args.get("key"):
+        # the key's curves cut into the same step buckets, for an overlay
+        result["series"] = recommend.overlay(
+            current_db(), ids, request.args["key"],
+            query_int("max_points", 500, min=2, max=10_000))
     return _json(result)
 
 

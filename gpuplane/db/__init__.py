@@ -211,8 +211,104 @@ ALTER TABLE jobs ADD COLUMN depends_any INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN held INTEGER NOT NULL DEFAULT 0;
 """
 
+# Projects, experiments, checkpoints as one record per file, evaluations, metric
+# definitions, run tags (docs/checkpoints.md). Runs and jobs name their project and
+# experiment (the text columns they always had); these tables hold what a name carries.
+SCHEMA_V4_CHECKPOINTS = """
+CREATE TABLE projects (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL UNIQUE,
+    description TEXT NOT NULL DEFAULT '',
+    archived    INTEGER NOT NULL DEFAULT 0,
+    created_at  INTEGER NOT NULL
+);
+
+CREATE TABLE experiments (
+    id          INTEGER PRIMARY KEY,
+    project     TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    archived    INTEGER NOT NULL DEFAULT 0,
+    created_at  INTEGER NOT NULL,
+    UNIQUE (project, name)
+);
+
+INSERT OR IGNORE INTO projects (name, created_at)
+    SELECT project, min(created_at) FROM runs GROUP BY project;
+INSERT OR IGNORE INTO projects (name, created_at)
+    SELECT project, min(created_at) FROM jobs GROUP BY project;
+INSERT OR IGNORE INTO projects (name, created_at)
+    VALUES ('default', CAST(strftime('%s', 'now') AS INTEGER) * 1000);
+INSERT OR IGNORE INTO experiments (project, name, created_at)
+    SELECT project, experiment, min(created_at) FROM runs WHERE experiment != ''
+    GROUP BY project, experiment;
+INSERT OR IGNORE INTO experiments (project, name, created_at)
+    SELECT project, experiment, min(created_at) FROM jobs WHERE experiment != ''
+    GROUP BY project, experiment;
+
+ALTER TABLE runs ADD COLUMN tags TEXT NOT NULL DEFAULT '[]';
+CREATE INDEX runs_experiment ON runs(project, experiment);
+ALTER TABLE jobs ADD COLUMN eval_command TEXT;       -- json argv for evaluations, or NULL
+
+-- One checkpoint per (run, path): the SDK and the agent's watcher seeing the same file
+-- update one row. step_source says where the step came from, the strongest kept:
+-- given (the SDK's step) > name (parsed from the file name) > latest (the run's latest
+-- step when it was registered) > none.
+CREATE TABLE checkpoints_v3 (
+    id          INTEGER PRIMARY KEY,
+    run_id      INTEGER NOT NULL,
+    path        TEXT NOT NULL,
+    step        INTEGER,
+    step_source TEXT NOT NULL DEFAULT 'none',
+    epoch       REAL,
+    size_bytes  INTEGER,
+    fingerprint TEXT,
+    format      TEXT,
+    source      TEXT NOT NULL DEFAULT 'sdk',        -- sdk | watcher | import
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL,
+    UNIQUE (run_id, path)
+);
+INSERT INTO checkpoints_v3 (id, run_id, path, step, step_source, epoch, size_bytes,
+                            fingerprint, source, created_at, updated_at)
+    SELECT max(id), run_id, path, step, CASE WHEN step IS NULL THEN 'none' ELSE 'given' END,
+           epoch, size_bytes, fingerprint,
+           CASE WHEN fingerprint LIKE 'sdk:%' THEN 'sdk' ELSE 'watcher' END,
+           created_at, created_at
+    FROM checkpoints GROUP BY run_id, path;
+DROP TABLE checkpoints;
+ALTER TABLE checkpoints_v3 RENAME TO checkpoints;
+CREATE INDEX checkpoints_run ON checkpoints(run_id, step);
+
+-- An evaluation is an EVALUATE job of one checkpoint. Its state is the job's (QUEUED,
+-- RUNNING, SUCCEEDED, FAILED), and its results are what the job's run logged: neither
+-- is copied here, so they cannot disagree with the job.
+CREATE TABLE evaluations (
+    id            INTEGER PRIMARY KEY,
+    checkpoint_id INTEGER NOT NULL,
+    job_id        INTEGER NOT NULL UNIQUE,
+    command       TEXT NOT NULL,                    -- json argv
+    created_at    INTEGER NOT NULL
+);
+CREATE INDEX evaluations_checkpoint ON evaluations(checkpoint_id, id);
+
+-- Direction and primary flag of a metric key at one scope: global (project = ''),
+-- a project (experiment = '') or an experiment. Resolved experiment -> project -> global.
+CREATE TABLE metric_definitions (
+    id          INTEGER PRIMARY KEY,
+    key         TEXT NOT NULL,
+    project     TEXT NOT NULL DEFAULT '',
+    experiment  TEXT NOT NULL DEFAULT '',
+    direction   TEXT,                               -- min | max | NULL: inherit
+    is_primary  INTEGER NOT NULL DEFAULT 0,
+    description TEXT NOT NULL DEFAULT '',
+    updated_at  INTEGER NOT NULL,
+    UNIQUE (project, experiment, key)
+);
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
-MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES]
+MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS]
 
 
 class NestedTransaction(RuntimeError):

@@ -1,22 +1,282 @@
-"""Checkpoints: one insert path for the agent's watcher and the SDK.
+"""Checkpoints and their evaluations.
 
-The fingerprint rule: the same (run_id, path, fingerprint) is one checkpoint, reported
-once or many times. A reporter that has no fingerprint of its own gets one made from the
-step and the size, so a re-report of the same file is still one checkpoint.
+`register` is the one insert path, for the SDK (REST), the agent's watcher (outbox
+records) and imports: one row per (run, absolute path), so the same file seen twice is
+one checkpoint whose fingerprint and size are brought up to date. A checkpoint's metric
+values are the run's points at the nearest step, read when asked for (they may arrive
+after the checkpoint). An evaluation is an EVALUATE job: its state is the job's, its
+results what the job's run logged.
+"""
+import os
+import re
+
+from . import dumps, loads, now_ms
+
+# How sure a step is; a registration only replaces a step with a surer one.
+STEP_RANK = {"none": 0, "latest": 1, "name": 2, "given": 3}
+
+EVAL_STATE = {"QUEUED": "QUEUED", "DISPATCHED": "QUEUED", "RUNNING": "RUNNING",
+              "SUCCEEDED": "SUCCEEDED", "FAILED": "FAILED", "CANCELLED": "FAILED"}
+
+# Keys the agent measures itself: not training semantics, left out of checkpoint values.
+SYSTEM_PREFIX = "sys/"
+
+
+def guess_format(path):
+    name = os.path.basename(path.rstrip("/"))
+    low = name.lower()
+    if low.endswith((".pt", ".pth", ".bin")):
+        return "pt"
+    if low.endswith(".safetensors"):
+        return "safetensors"
+    if low.endswith(".ckpt"):
+        return "lightning"
+    if low.endswith((".keras", ".h5")):
+        return "keras"
+    if re.fullmatch(r"checkpoint-\d+", name):
+        return "hf"
+    return None
+
+
+def latest_step(conn, run_id):
+    """The run's latest step over its training keys (None without points)."""
+    row = conn.execute(
+        "SELECT max((SELECT max(step) FROM points WHERE key_id = k.id)) FROM metric_keys k"
+        " WHERE k.run_id = ? AND k.key NOT LIKE 'sys/%'", (run_id,)).fetchone()
+    return row[0]
+
+
+def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
+             size_bytes=None, fingerprint=None, fmt=None, source="sdk", ts=None):
+    """Insert or update the checkpoint (run_id, path) inside the caller's transaction.
+
+    `path` must be absolute. `step_source` is 'given' (the SDK said so) or 'name' (parsed
+    from the file name); a None step becomes the run's latest step. Returns (id, created).
+    """
+    ts = ts or now_ms()
+    if step is None:
+        step = latest_step(conn, run_id)
+        step_source = "latest" if step is not None else "none"
+    else:
+        step_source = step_source or "given"
+    fmt = fmt or guess_format(path)
+    old = conn.execute("SELECT id, step_source FROM checkpoints WHERE run_id = ? AND path = ?",
+                       (run_id, path)).fetchone()
+    if old is None:
+        cur = conn.execute(
+            "INSERT INTO checkpoints (run_id, path, step, step_source, epoch, size_bytes,"
+            " fingerprint, format, source, created_at, updated_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (run_id, path, step, step_source, epoch, size_bytes, fingerprint, fmt, source,
+             ts, ts))
+        return cur.lastrowid, True
+    if STEP_RANK[step_source] > STEP_RANK.get(old["step_source"], 0):
+        conn.execute("UPDATE checkpoints SET step = ?, step_source = ? WHERE id = ?",
+                     (step, step_source, old["id"]))
+    conn.execute(
+        "UPDATE checkpoints SET epoch = COALESCE(?, epoch), size_bytes = COALESCE(?, size_bytes),"
+        " fingerprint = COALESCE(?, fingerprint), format = COALESCE(format, ?),"
+        " updated_at = ? WHERE id = ?",
+        (epoch, size_bytes, fingerprint, fmt, ts, old["id"]))
+    return old["id"], False
+
+
+def _row(r):
+    return dict(r)
+
+
+_SELECT = ("SELECT c.*, r.project, r.experiment, r.job_id FROM checkpoints c"
+           " JOIN runs r ON r.id = c.run_id")
+
+
+def get(db, checkpoint_id):
+    row = db.query_one(_SELECT + " WHERE c.id = ?", (checkpoint_id,))
+    return _row(row) if row else None
+
+
+def list_checkpoints(db, run_id=None, project=None, experiment=None, limit=1000):
+    where, params = [], []
+    for col, val in (("c.run_id", run_id), ("r.project", project),
+                     ("r.experiment", experiment)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY c.run_id, c.step IS NULL, c.step, c.id LIMIT ?"
+    return [_row(r) for r in db.query(sql, (*params, limit))]
+
+
+_NEAREST = """
+WITH k AS MATERIALIZED (
+    SELECT k.id, k.key,
+           (SELECT step FROM points WHERE key_id = k.id AND step <= :s
+            ORDER BY step DESC LIMIT 1) AS lo,
+           (SELECT step FROM points WHERE key_id = k.id AND step >= :s
+            ORDER BY step LIMIT 1) AS hi
+    FROM metric_keys k WHERE k.run_id = :r AND k.key NOT LIKE 'sys/%'
+), n AS MATERIALIZED (
+    SELECT id, key, CASE WHEN lo IS NULL THEN hi WHEN hi IS NULL THEN lo
+                         WHEN :s - lo <= hi - :s THEN lo ELSE hi END AS step FROM k
+)
+SELECT n.key, n.step, (SELECT value FROM points WHERE key_id = n.id AND step = n.step)
+FROM n WHERE n.step IS NOT NULL ORDER BY n.key
 """
 
 
-def default_fingerprint(step, size_bytes):
-    return f"{step}:{size_bytes}"
+def metrics_at(db, run_id, step):
+    """{key: {"step", "value"}}: the run's points nearest to `step` (the earlier on a tie).
+    A value of None is NaN."""
+    if step is None:
+        return {}
+    return {key: {"step": s, "value": v}
+            for key, s, v in db.query(_NEAREST, {"r": run_id, "s": step})}
 
 
-def add(conn, run_id, path, step, epoch, size_bytes, fingerprint, ts):
-    """Insert inside the caller's transaction; returns the checkpoint's id (the existing
-    one when the same run, path and fingerprint were reported before)."""
-    fp = fingerprint if fingerprint is not None else default_fingerprint(step, size_bytes)
-    conn.execute(
-        "INSERT INTO checkpoints (run_id, path, step, epoch, size_bytes, fingerprint,"
-        " created_at) VALUES (?,?,?,?,?,?,?) ON CONFLICT DO NOTHING",
-        (run_id, path, step, epoch, size_bytes, fp, ts))
-    return conn.execute("SELECT id FROM checkpoints WHERE run_id = ? AND path = ?"
-                        " AND fingerprint = ?", (run_id, path, fp)).fetchone()[0]
+# -- evaluations ------------------------------------------------------------------------
+
+def add_evaluation(conn, checkpoint_id, job_id, command):
+    cur = conn.execute("INSERT INTO evaluations (checkpoint_id, job_id, command, created_at)"
+                       " VALUES (?, ?, ?, ?)", (checkpoint_id, job_id, dumps(command),
+                                                now_ms()))
+    return cur.lastrowid
+
+
+_EVAL_SELECT = ("SELECT e.id, e.checkpoint_id, e.job_id, e.command, e.created_at,"
+                " j.state AS job_state, j.run_id, j.failure_kind, j.message, j.ended_at"
+                " FROM evaluations e JOIN jobs j ON j.id = e.job_id")
+
+
+def _evaluation(db, row):
+    d = dict(row)
+    d["command"] = loads(d["command"])
+    d["state"] = EVAL_STATE.get(d["job_state"], d["job_state"])
+    d["results"] = _latest_values(db, d["run_id"]) if d["run_id"] else {}
+    return d
+
+
+def _latest_values(db, run_id):
+    return {key: {"step": s, "value": v} for key, s, v in db.query(
+        "SELECT k.key, p.step, p.value FROM metric_keys k JOIN points p ON p.key_id = k.id"
+        " AND p.step = (SELECT max(step) FROM points WHERE key_id = k.id)"
+        " WHERE k.run_id = ? AND k.key NOT LIKE 'sys/%' ORDER BY k.key", (run_id,))}
+
+
+def evaluations(db, checkpoint_id):
+    return [_evaluation(db, r) for r in db.query(
+        _EVAL_SELECT + " WHERE e.checkpoint_id = ? ORDER BY e.id", (checkpoint_id,))]
+
+
+def get_evaluation(db, evaluation_id):
+    row = db.query_one(_EVAL_SELECT + " WHERE e.id = ?", (evaluation_id,))
+    return _evaluation(db, row) if row else None
+
+
+def evaluation_of_job(db, job_id):
+    row = db.query_one(_EVAL_SELECT + " WHERE e.job_id = ?", (job_id,))
+    return _evaluation(db, row) if row else None
+
+
+def evaluation_counts(db, checkpoint_ids):
+    """{checkpoint_id: number of evaluations}."""
+    out = {}
+    ids = list(checkpoint_ids)
+    for i in range(0, len(ids), 500):
+        part = ids[i:i + 500]
+        out.update(db.query(
+            f"SELECT checkpoint_id, count(*) FROM evaluations WHERE checkpoint_id IN"
+            f" ({','.join('?' * len(part))}) GROUP BY checkpoint_id", part))
+    return out
+
+
+def evaluation_runs(db, run_ids):
+    """The ones among run_ids that are runs of EVALUATE jobs."""
+    out = set()
+    ids = list(run_ids)
+    for i in range(0, len(ids), 500):
+        part = ids[i:i + 500]
+        out.update(r[0] for r in db.query(
+            f"SELECT r.id FROM runs r JOIN jobs j ON j.id = r.job_id WHERE j.kind = 'EVALUATE'"
+            f" AND r.id IN ({','.join('?' * len(part))})", part))
+    return out
+
+
+# -- recommend --------------------------------------------------------------------------
+
+def _scope_sql(run_id, project, experiment):
+    where, params = ["COALESCE(j.kind, 'TRAIN') != 'EVALUATE'"], []
+    for col, val in (("c.run_id", run_id), ("r.project", project),
+                     ("r.experiment", experiment)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    return " AND ".join(where), params
+
+
+def scope_keys(db, run_id=None, project=None, experiment=None):
+    """Metric keys of the runs holding checkpoints in the scope, with how many runs log each."""
+    where, params = _scope_sql(run_id, project, experiment)
+    return db.query(
+        "SELECT k.key, count(*) FROM metric_keys k WHERE k.run_id IN (SELECT DISTINCT c.run_id"
+        " FROM checkpoints c JOIN runs r ON r.id = c.run_id LEFT JOIN jobs j ON j.id = r.job_id"
+        f" WHERE {where}) AND k.key NOT LIKE 'sys/%' GROUP BY k.key ORDER BY k.key", params)
+
+
+_CANDIDATES = """
+WITH c AS MATERIALIZED (
+    SELECT c.id, c.run_id, c.step, c.path, c.epoch, k.id AS key_id
+    FROM checkpoints c JOIN runs r ON r.id = c.run_id LEFT JOIN jobs j ON j.id = r.job_id
+    LEFT JOIN metric_keys k ON k.run_id = c.run_id AND k.key = ?
+    WHERE {where}
+), b AS MATERIALIZED (
+    SELECT c.*,
+           (SELECT step FROM points WHERE key_id = c.key_id AND step <= c.step
+            ORDER BY step DESC LIMIT 1) AS lo,
+           (SELECT step FROM points WHERE key_id = c.key_id AND step >= c.step
+            ORDER BY step LIMIT 1) AS hi
+    FROM c
+), n AS MATERIALIZED (
+    SELECT b.*, CASE WHEN lo IS NULL THEN hi WHEN hi IS NULL THEN lo
+                     WHEN step - lo <= hi - step THEN lo ELSE hi END AS at FROM b
+)
+SELECT n.id, n.run_id, n.step, n.path, n.epoch, n.at,
+       (SELECT value FROM points WHERE key_id = n.key_id AND step = n.at) AS value
+FROM n ORDER BY n.id
+"""
+
+_EVAL_VALUES = """
+SELECT e.checkpoint_id, e.id, p.value
+FROM evaluations e JOIN jobs j ON j.id = e.job_id AND j.state = 'SUCCEEDED'
+JOIN metric_keys k ON k.run_id = j.run_id AND k.key = ?
+JOIN points p ON p.key_id = k.id AND p.step = (SELECT max(step) FROM points WHERE key_id = k.id)
+WHERE e.checkpoint_id IN (SELECT c.id FROM checkpoints c JOIN runs r ON r.id = c.run_id
+                          LEFT JOIN jobs j ON j.id = r.job_id WHERE {where})
+ORDER BY e.id
+"""
+
+
+def candidates(db, key, run_id=None, project=None, experiment=None):
+    """Every checkpoint in the scope with its values of `key`: `training`, the run's value
+    at the nearest step (`at_step`), and `evaluation`, the result of the last successful
+    evaluation that logged `key` (`evaluation_id`). None: no value, or NaN."""
+    where, params = _scope_sql(run_id, project, experiment)
+    evals = {}
+    for ckpt_id, eval_id, value in db.query(_EVAL_VALUES.format(where=where), (key, *params)):
+        evals[ckpt_id] = (eval_id, value)      # ordered by id: the last one wins
+    out = []
+    for cid, rid, step, path, epoch, at, value in db.query(
+            _CANDIDATES.format(where=where), (key, *params)):
+        eval_id, eval_value = evals.get(cid, (None, None))
+        out.append({"id": cid, "run_id": rid, "step": step, "path": path, "epoch": epoch,
+                    "training": value, "at_step": at, "evaluation": eval_value,
+                    "evaluation_id": eval_id})
+    return out
+
+
+def latest_results(db, checkpoint_id):
+    """{key: value} of the checkpoint's last successful evaluation, or None."""
+    row = db.query_one("SELECT j.run_id FROM evaluations e JOIN jobs j ON j.id = e.job_id"
+                       " WHERE e.checkpoint_id = ? AND j.state = 'SUCCEEDED'"
+                       " ORDER BY e.id DESC LIMIT 1", (checkpoint_id,))
+    if row is None or row[0] is None:
+        return None
+    return {k: v["value"] for k, v in _latest_values(db, row[0]).items()}

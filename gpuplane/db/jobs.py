@@ -5,7 +5,7 @@ QUEUED → DISPATCHED → RUNNING → SUCCEEDED | FAILED | CANCELLED. Every atte
 the attempt number is bumped in the same transaction that assigns the job to a node, so
 no attempt is ever started twice.
 """
-from . import dumps, loads
+from . import dumps, loads, projects
 
 ACTIVE = ("DISPATCHED", "RUNNING")
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -18,6 +18,7 @@ def to_dict(row):
     d = dict(row)
     d["command"] = loads(d["command"])
     d["env"] = loads(d["env"], {})
+    d["eval_command"] = loads(d.get("eval_command"))
     d["gpu_indices"] = loads(d["gpu_indices"])
     d["cpu_only"] = bool(d["cpu_only"])
     d["cancel_requested"] = bool(d["cancel_requested"])
@@ -75,14 +76,16 @@ def insert(conn, spec, ts):
     cur = conn.execute(
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
-        " depends_on, depends_any, held, created_at, queued_at)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " depends_on, depends_any, held, eval_command, created_at, queued_at)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
          spec.get("tb_dir"), spec.get("watch_dir"), spec.get("parent_checkpoint_id"),
          dumps(spec.get("depends_on") or []), int(bool(spec.get("depends_any"))),
-         int(bool(spec.get("held"))), ts, ts))
+         int(bool(spec.get("held"))),
+         dumps(spec["eval_command"]) if spec.get("eval_command") else None, ts, ts))
+    projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 
 

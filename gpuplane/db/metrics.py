@@ -614,10 +614,11 @@ def summary(db, run_id):
     return out
 
 
-def key_summary(db, key_id, key):
+def key_summary(db, key_id, key, d=None):
+    """One key's summary; `d` ('min' | 'max') overrides the direction read from its name."""
     conn = db.conn
     rolled, top, pruned = _rollup_state(conn, key_id)
-    d = semantic.direction(key)
+    d = d or semantic.direction(key)
     count, first, last_step = 0, None, None
     best = None          # (value, width, row)
     for w, row in _cover(conn, key_id, rolled, top):

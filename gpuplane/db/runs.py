@@ -1,5 +1,5 @@
 """Runs: one per job attempt, or registered by the SDK, or imported."""
-from . import dumps, loads, now_ms
+from . import dumps, loads, now_ms, projects
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -10,11 +10,13 @@ def to_dict(row):
     d = dict(row)
     d["config"] = loads(d["config"], {})
     d["gpu_indices"] = loads(d["gpu_indices"])
+    d["tags"] = loads(d.get("tags"), [])
     return d
 
 
 def create(conn, *, source, state, project="default", experiment="", name="", config=None,
            job_id=None, attempt=None, node=None, gpu_indices=None):
+    projects.ensure(conn, project, experiment)
     cur = conn.execute(
         "INSERT INTO runs (job_id, attempt, source, state, project, experiment, name, config,"
         " node, gpu_indices, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -68,3 +70,15 @@ def for_attempt(conn, job_id, attempt):
 
 def exists(conn, run_id):
     return conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is not None
+
+
+def update_meta(conn, run_id, *, config=None, tags=None, name=None):
+    """Merge `config` into the run's config, replace its tags, rename it."""
+    if config:
+        row = conn.execute("SELECT config FROM runs WHERE id = ?", (run_id,)).fetchone()
+        merged = {**loads(row[0], {}), **config}
+        conn.execute("UPDATE runs SET config = ? WHERE id = ?", (dumps(merged), run_id))
+    if tags is not None:
+        conn.execute("UPDATE runs SET tags = ? WHERE id = ?", (dumps(tags), run_id))
+    if name is not None:
+        conn.execute("UPDATE runs SET name = ? WHERE id = ?", (name, run_id))

@@ -1,6 +1,6 @@
 """Loading what the semantic layer (gpuplane/semantic.py) judges: plain dicts, bounded in size
 whatever the run's length (summaries from the rollups, series of a few hundred buckets)."""
-from . import events, jobs, logs, metrics, runs
+from . import checkpoints as ckpts, events, jobs, logs, metric_defs, metrics, runs
 
 SERIES_POINTS = 300
 
@@ -9,11 +9,15 @@ def key_data(db, run_id, keys=None, max_points=SERIES_POINTS):
     """Per metric key of the run: summary (count, latest, best, direction) and a
     downsampled series [[step, mean], ...]."""
     out = []
+    run = runs.get(db, run_id)
     for key_id, key in db.query("SELECT id, key FROM metric_keys WHERE run_id = ?"
                                 " ORDER BY key", (run_id,)):
         if keys is not None and key not in keys:
             continue
-        s = metrics.key_summary(db, key_id, key)
+        # the direction a metric definition gives it (docs/checkpoints.md), else its name's
+        d = metric_defs.resolve_direction(db, key, run["project"], run["experiment"])[0] \
+            if run else None
+        s = metrics.key_summary(db, key_id, key, d)
         _, pts = metrics.series(db, key_id, max_points)
         # A bucket holding a NaN has a finite mean; its last value tells the NaN apart.
         s["points"] = [[p[0], p[3]] for p in pts]
@@ -70,6 +74,6 @@ def checkpoints(db, run_ids, keys):
                         v = _nearest(db, kid, c["step"])
                         if v is not None:
                             c["training"][k] = v
-            c["evaluation"] = None
+            c["evaluation"] = ckpts.latest_results(db, c["id"])
             out.append(c)
     return out

@@ -1,0 +1,101 @@
+"""Deciding from runs: the recommended checkpoint, run comparisons, an experiment's
+leaderboard. Each function reads through gpuplane.db and returns a plain dict that the
+REST routes answer as is (docs/checkpoints.md)."""
+from . import semantic
+from .db import checkpoints, compare, metric_defs, metrics, runs
+
+
+def _encode(v):
+    return metrics.encode(v) if v is not None else None
+
+
+def resolve_metric(db, key, project, experiment, run_id=None, keys_of_scope=None):
+    """(key, direction, {"key", "direction", "primary_from", "direction_from"})."""
+    primary_from = "request"
+    if key is None:
+        key, primary_from = metric_defs.resolve_primary(db, project or "", experiment or "")
+        if key is None:
+            keys = [{"key": k} for k, _ in (keys_of_scope or [])]
+            key, primary_from = semantic.pick_primary(keys), "guess"
+    if key is None:
+        return None, None, {"key": None}
+    d, d_from = metric_defs.resolve_direction(db, key, project or "", experiment or "")
+    return key, d, {"key": key, "direction": d, "primary_from": primary_from,
+                    "direction_from": d_from}
+
+
+def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
+    """The checkpoint to keep in a scope (one run, an experiment, a project) by the primary
+    metric: evaluated checkpoints first (their last successful evaluation's result), then
+    the training value at the nearest step. The ranking, reason, runner-up and margin are
+    semantic.get_best_checkpoint's; this adds the metric's resolution and the counts."""
+    scope = {"run_id": run_id, "project": project, "experiment": experiment}
+    if run_id is not None:
+        run = runs.get(db, run_id)
+        project, experiment = run["project"], run["experiment"]
+        q = {"run_id": run_id}
+    else:
+        q = {"project": project, "experiment": experiment}
+    keys = checkpoints.scope_keys(db, **q) if key is None else None
+    key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
+    if key is None:
+        return {"scope": scope, "metric": metric, "key": None, "direction": None,
+                "checkpoint": None, "runner_up": None, "margin": None, "source": None,
+                "candidates": 0, "evaluated": 0,
+                "reason": "no checkpoint in this scope belongs to a run with metrics; "
+                          "register checkpoints (run.log_checkpoint, job submit --watch) and "
+                          "log metrics first",
+                "next_actions": []}
+    cands = checkpoints.candidates(db, key, **q)
+    rows = [{"id": c["id"], "run_id": c["run_id"], "step": c["step"], "path": c["path"],
+             "evaluation": {key: c["evaluation"]} if c["evaluation"] is not None else {},
+             "training": {key: c["training"]} if c["training"] is not None else {}}
+            for c in cands]
+    best = semantic.get_best_checkpoint(rows, key, d)
+    best.update(scope=scope, metric=metric, candidates=len(cands),
+                evaluated=sum(1 for c in cands if c["evaluation"] is not None))
+    if metric["primary_from"] == "guess":
+        best["next_actions"] = list(best.get("next_actions") or []) + [semantic.action(
+            "set_primary_metric", "no primary metric is defined for this scope; "
+            f"{key} was picked by its name", key=key, project=project or "",
+            experiment=experiment or "")]
+    return best
+
+
+def overlay(db, run_ids, key, max_points=500):
+    """One metric of several runs cut into the same step buckets, for overlaid curves."""
+    w, steps, series = compare.aligned_series(
+        db, {r: metrics.key_id(db, r, key) for r in run_ids}, max_points)
+    return {"key": key, "width": w, "steps": steps,
+            "runs": [{"run_id": rid,
+                      "min": [p and _encode(p[0]) for p in pts],
+                      "max": [p and _encode(p[1]) for p in pts],
+                      "mean": [p and _encode(p[2]) for p in pts],
+                      "last": [p and _encode(p[3]) for p in pts]}
+                     for rid, pts in series.items()]}
+
+
+def leaderboard(db, project, experiment, key=None, limit=200):
+    """The runs of an experiment with their best value of the primary metric, best first
+    (runs without the key last). EVALUATE runs are left out."""
+    rs = runs.list_runs(db, project=project, experiment=experiment, limit=limit)
+    evaluating = checkpoints.evaluation_runs(db, [r["id"] for r in rs])
+    rs = [r for r in rs if r["id"] not in evaluating]
+    keys = [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
+                                    if not k.startswith(checkpoints.SYSTEM_PREFIX)})]
+    key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
+    rows = []
+    for r in rs:
+        kid = metrics.key_id(db, r["id"], key) if key else None
+        best = metrics.key_summary(db, kid, key, d)["best"] if kid else None
+        rows.append({**r, "best": best})
+    sign = 1 if d == "min" else -1
+
+    def order(row):
+        b = row["best"]
+        v = b["value"] if b else None
+        if not isinstance(v, (int, float)):
+            return (1, 0, row["id"])
+        return (0, sign * v, row["id"])
+    rows.sort(key=order)
+    return {"project": project, "experiment": experiment, "metric": metric, "runs": rows}
