@@ -292,9 +292,12 @@ def hint_flags(args, url, home):
     return (" " + shlex.join(flags)) if flags else ""
 
 
-def _announce(url, toml_path, node, name, server, agent, hints):
+def _announce(url, toml_path, node, name, server, agent, hints, token=None):
     gpus = len(node.get("gpus") or [])
-    print(f"GPUPlane is up at {url}  (REST API under /api/v1/)")
+    print(f"GPUPlane is up at {url}  (dashboard; REST API under /api/v1/)")
+    if token:
+        # The fragment never reaches the server; the page stores it and strips it.
+        print(f"  open the dashboard: {url}/#token={token}")
     print(f"  admin token: in {toml_path}  (print it: gpuplane{hints} token show-admin)")
     print(f"  node {name}: {plural(gpus, 'GPU')}"
           + (" (fake)" if node.get("fake") else "")
@@ -362,7 +365,7 @@ def cmd_up(args):
         node = _wait_for(f"node {name!r} (the local agent) to connect", node_connected,
                          children, 60)
         hints = hint_flags(args, url, home)
-        _announce(url, toml_path, node, name, server, agent, hints)
+        _announce(url, toml_path, node, name, server, agent, hints, token=admin_token)
         if args.example:
             code = _run_example(client, example_dir, hints)
             if args.exit_when_done:

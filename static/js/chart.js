@@ -117,7 +117,7 @@ export class MetricChart {
     const band = `${this.color}33`;
     const opts = {
       width: this.width(), height: 200,
-      scales: { x: { time: this.time }, y: this.options.log ? { distr: 3 } : {} },
+      scales: { x: { time: this.time, range: (u, lo, hi) => (lo === hi || lo === null ? [(lo ?? 0) - (this.time ? 30 : 1), (hi ?? 0) + (this.time ? 30 : 1)] : [lo, hi]) }, y: this.options.log ? { distr: 3 } : {} },
       legend: { show: true, live: true },
       cursor: { drag: { x: true, y: false, setScale: false }, points: { size: 5 } },
       series: [

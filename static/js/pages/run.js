@@ -84,6 +84,7 @@ export async function render(root, [id]) {
     charts.set(key, c);
     window.gpuplane.charts[key] = c;
     const target = key.startsWith("sys/") ? sysEl : trainEl;
+    if (target === sysEl) sysEl.querySelector(":scope > p")?.remove();
     const siblings = [...target.children].filter((x) => x.dataset.key);
     const before = siblings.find((x) => x.dataset.key > key);
     target.insertBefore(c.el, before || null);
