@@ -85,7 +85,7 @@ def open_page(browser, cluster):
         ctx = browser.new_context(viewport={"width": width, "height": height},
                                   color_scheme=scheme)
         page = ctx.new_page()
-        page.set_default_timeout(20_000)
+        page.set_default_timeout(40_000)   # a loaded 2-core CI machine
         w = Watched(page, server.url)
         made.append(ctx)
         if token:

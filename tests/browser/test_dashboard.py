@@ -111,7 +111,7 @@ def test_login_submit_watch_logs_and_curves_cancel_and_see_the_event(open_page, 
     page.click("#cancel")
     page.wait_for_selector("#confirm[open]")
     page.click("#confirm-yes")
-    page.wait_for_selector(".page-head .badge:has-text('CANCELLED')", timeout=30_000)
+    page.wait_for_selector(".page-head .badge:has-text('CANCELLED')", timeout=60_000)
     page.goto(server.url + "/#/events")
     page.wait_for_selector(f"#events .event[data-type='CANCELLED']:has-text('job {job_id}')")
     shot(page, "events")
