@@ -263,11 +263,12 @@ class Lifecycle:
         return job, True
 
     def retry(self, job_id, t=None):
-        """A FAILED or CANCELLED job goes back in the queue (its next attempt is a new
-        run). Returns (job, accepted)."""
+        """A job that ended (SUCCEEDED, FAILED or CANCELLED) goes back in the queue; its
+        next attempt is a new run. A queued or active job is not retried: it has an
+        attempt to come or under way. Returns (job, accepted)."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
-            if job is None or job["state"] not in ("FAILED", "CANCELLED"):
+            if job is None or job["state"] not in jobs.FINAL:
                 return job, False
             jobs.set_queued_by_hand(t.conn, job_id, now_ms())
             job = jobs.fetch(t.conn, job_id)

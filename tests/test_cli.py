@@ -414,10 +414,15 @@ def test_submit_follow_show_and_list(stack, tmp_path):
     code, out, _ = run_cli(stack, "logs", "--tail", "1", str(job_id))
     assert code == 0 and out == "done\n"
 
-    for verb in ("cancel", "retry"):
-        code, out, err = run_cli(stack, "job", verb, str(job_id))
-        assert code == cli.EXIT_ERROR and out == ""
-        assert err.startswith("error: ") and "SUCCEEDED" in err
+    # Issue 9 item 10: cancelling a job that SUCCEEDED is refused, with exit 1.
+    code, out, err = run_cli(stack, "job", "cancel", str(job_id))
+    assert code == cli.EXIT_ERROR and out == ""
+    assert err.startswith("error: ") and "SUCCEEDED" in err
+    # Issue 9 item 9: retrying it runs it again as a new attempt.
+    code, out, err = run_cli(stack, "job", "retry", str(job_id))
+    assert code == 0 and f"job {job_id} QUEUED again" in out, err
+    code, out, err = run_cli(stack, "logs", "-f", str(job_id))
+    assert code == 0 and "--- attempt 2 ---" in out
 
 
 def test_failed_job_exit_code_and_relative_dir_rejected(stack, tmp_path):

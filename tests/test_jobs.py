@@ -193,12 +193,16 @@ def test_failure_kinds_are_final_and_a_manual_retry_makes_a_new_attempt(
     assert len(runs) == 2 and runs[0] != runs[1], "every attempt is a new run"
     api.post(f"/api/v1/jobs/{j['id']}/retry", expect=200)
     api.wait_job(j["id"])
-    # a running or succeeded job cannot be retried
+    # a succeeded job runs again as a new attempt (issue 9 item 9); a queued one cannot
     ok = api.submit([PY, "-c", "pass"], tmp_path, gpus=1)
     api.wait_job(ok["id"])
-    api.post(f"/api/v1/jobs/{ok['id']}/retry", expect=409)
-    assert "only FAILED or CANCELLED" in api.post(f"/api/v1/jobs/{ok['id']}/retry")["error"]["message"]
     api.post(f"/api/v1/jobs/{ok['id']}/cancel", expect=409)
+    again = api.post(f"/api/v1/jobs/{ok['id']}/retry", expect=200)
+    assert again["state"] == "QUEUED"
+    msg = api.post(f"/api/v1/jobs/{ok['id']}/retry")["error"]["message"]
+    assert "once it has ended" in msg or "under way" in msg
+    j = api.wait_job(ok["id"])
+    assert j["state"] == "SUCCEEDED" and j["attempt"] == 2
 
 
 def test_logs_tail_and_sse_follow_until_the_end(live_server, agent, tmp_path):

@@ -187,6 +187,17 @@ def test_retry_by_hand_is_one_event_and_a_new_attempt(w):
     assert assigned["attempt"] == 2 and assigned["run_id"] != job["run_id"]
 
 
+def test_retry_of_a_succeeded_job_is_a_new_attempt(w):
+    # Issue 9 item 9: any final state may be retried.
+    job = running_job(w)
+    w.lc.finished(job["id"], 1, exit_code=0)
+    (job2, ok), evs = w.new_events(w.lc.retry, job["id"])
+    assert ok and job2["state"] == "QUEUED"
+    one(evs, "RETRIED")
+    assigned = w.lc.assign(job["id"], "n1", [0])
+    assert assigned["attempt"] == 2 and assigned["run_id"] != job["run_id"]
+
+
 def test_node_up_down_and_lost(w):
     _, evs = w.new_events(w.lc.node_up, {"node": "n2", "epoch": "e", "gpus": []})
     assert one(evs, "NODE_UP")["node"] == "n2"

@@ -186,8 +186,10 @@ def retry(job_id):
     _job_or_404(job_id)
     job, ok = current_lifecycle().retry(job_id)
     if not ok:
-        raise Conflict(f"job {job_id} is {job['state']}; only FAILED or CANCELLED jobs can "
-                       "be retried (cancel it first)")
+        raise Conflict(f"job {job_id} is {job['state']} and has an attempt still to come or "
+                       "under way; retry runs a job again once it has ended (SUCCEEDED, "
+                       "FAILED or CANCELLED): wait for it, or `gpuplane job cancel "
+                       f"{job_id}` first")
     return job_view(job)
 
 

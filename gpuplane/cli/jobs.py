@@ -74,7 +74,7 @@ def add_parser(subparsers):
     p.add_argument("job_id", type=job_id_type, metavar="ID")
     p.set_defaults(func=cmd_job_cancel)
 
-    p = command(jsub, "retry", "put a FAILED or CANCELLED job back in the queue",
+    p = command(jsub, "retry", "run a job that has ended (any outcome) again, as a new attempt",
                 parents=(conn, js))
     p.add_argument("job_id", type=job_id_type, metavar="ID")
     p.set_defaults(func=cmd_job_retry)
@@ -270,8 +270,10 @@ def cmd_job_retry(args):
     if args.json:
         print_json(job)
     else:
-        print(f"job {job['id']} {job['state']} again (attempt {job.get('attempt')} "
-              f"of {job.get('max_attempts')})")
+        nxt = (job.get("attempt") or 0) + 1
+        print(f"job {job['id']} {job['state']} again: attempt {nxt} of "
+              f"{job.get('max_attempts')} will be a new run (follow it: gpuplane logs -f "
+              f"{job['id']})")
     return EXIT_OK
 
 
