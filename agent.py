@@ -272,6 +272,7 @@ class Outbox:
         self._dropped_lines = 0     # acked lines still in the spool file
         self.last_job_seq = 0       # seq of the newest `job` record
         self.listeners = []         # called (outside the lock) after each append
+        self.ack_listeners = []     # called (outside the lock) after an ack moved `acked`
         self._load()
 
     # -- start-up ------------------------------------------------------------------------
@@ -458,6 +459,8 @@ class Outbox:
             # rewriting costs the pending records, so do it when that is cheap or amortised
             if not self._offs or self._dropped_lines >= max(self.compact_min, len(self._offs)):
                 self._rewrite()
+        for fn in self.ack_listeners:
+            fn()
 
     def restart_epoch(self, reason):
         """The server's cursor does not fit our history (e.g. its database was restored)."""
@@ -752,24 +755,44 @@ class Launcher:
     """Starts an attempt's shim and stops its process tree (SIGTERM to the group, SIGKILL
     to it and every descendant seen once the grace period is over)."""
 
-    def __init__(self, shim_argv, kill_grace_s, wake):
+    def __init__(self, shim_argv, kill_grace_s, wake, err_path=os.devnull):
         self.shim_argv = shim_argv
         self.kill_grace_s = kill_grace_s
         self.wake = wake
+        self.err_path = err_path
+        self._spare = None          # (Popen, create time) of a shim waiting for a dir
 
-    def launch(self, att):
-        with open(os.devnull, "rb") as devnull, \
-                open(att.file("shim.err"), "ab", opener=_private_opener) as err:
-            att.popen = subprocess.Popen(self.shim_argv + [att.dir], stdin=devnull,
-                                         stdout=subprocess.PIPE, stderr=err,
-                                         start_new_session=True, close_fds=True,
-                                         env=shim_environment())
+    def _spawn(self):
+        with open(self.err_path, "ab", opener=_private_opener) as err:
+            p = subprocess.Popen(self.shim_argv + ["-"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err,
+                                 start_new_session=True, close_fds=True,
+                                 env=shim_environment())
         try:
-            ct = psutil.Process(att.popen.pid).create_time()
+            ct = psutil.Process(p.pid).create_time()
         except psutil.NoSuchProcess:
             ct = None
-        write_json_atomic(att.file("launch.json"), {"shim_pid": att.popen.pid,
-                                                    "shim_create_time": ct}, private=True)
+        return p, ct
+
+    def launch(self, att):
+        # A spare shim started after the previous launch has its interpreter up already:
+        # handing it the dir takes a pipe write instead of a Python start.
+        spare, self._spare = self._spare, None
+        if spare is None or spare[0].poll() is not None:
+            spare = self._spawn()
+        for attempt in (1, 2):
+            att.popen, ct = spare
+            write_json_atomic(att.file("launch.json"), {"shim_pid": att.popen.pid,
+                                                        "shim_create_time": ct})
+            try:
+                att.popen.stdin.write(att.dir.encode() + b"\n")
+                att.popen.stdin.close()
+                break
+            except OSError:
+                if attempt == 2:
+                    raise       # the attempt ends LOST: no shim, no exit status
+                spare = self._spawn()       # the spare died just now
+        self._spare = self._spawn()
         # The shim writes one line once the command runs and closes the pipe when it
         # exits: both wake the runner, so nothing here polls for a start or an exit.
         threading.Thread(target=self._wait, args=(att,), daemon=True,
@@ -787,6 +810,16 @@ class Launcher:
         finally:
             att.shim_gone = True
             self.wake()
+
+    def close(self):
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            try:
+                spare[0].stdin.close()     # it reads EOF and ends
+                spare[0].stdout.close()
+                spare[0].wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                spare[0].kill()
 
     def shim_alive(self, att):
         if att.popen is not None:
@@ -900,7 +933,8 @@ class LogTail:
             return False
         with open(path, "rb") as f:
             f.seek(self.offset)
-            data = f.read(min(size - self.offset, max_bytes))
+            # never less than a longest line: each poll consumes something until the end
+            data = f.read(min(size - self.offset, max(max_bytes, LINE_MAX + 2)))
         reached_end = self.offset + len(data) >= size
         items, consumed, skip = split_log(data, self.skip, at_eof and reached_end)
         self._emit(emit, items)
@@ -1170,13 +1204,16 @@ class Runner(Worker):
         self.backlog_max_bytes = backlog_max_bytes
         self.retention_days = retention_days
         self._wake = threading.Event()
-        self.launcher = Launcher(shim_argv or shim_command(), kill_grace_s, self._wake.set)
+        self.launcher = Launcher(shim_argv or shim_command(), kill_grace_s, self._wake.set,
+                                 os.path.join(self.jobs_dir, "shim.err"))
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
         self.view = {}                     # key -> facts of an attempt not finally reported
         self.active = {}                   # key -> Attempt (the runner thread's own)
         self._next_retention = 0.0
         self._in_commands = False
+        self._held_back = False            # an attempt waits for acks (its backlog is full)
+        outbox.ack_listeners.append(self._on_ack)
         self.adopt()
 
     @property
@@ -1246,6 +1283,7 @@ class Runner(Worker):
         self._stop.set()
         self._wake.set()
         super().stop(timeout)
+        self.launcher.close()
 
     # -- the loop (runner thread) ----------------------------------------------------------
 
@@ -1405,15 +1443,15 @@ class Runner(Worker):
         emit = self._emitter(att)
         if att.pid() and not att.running_reported:
             self._report_running(att)
-        room = att.backlog(self.outbox.acked) < self.backlog_max_bytes
+        room = self._room(att)
         got_lines = False
         if att.pid():            # until the pid, lines wait: RUNNING comes before the first
             for _ in range(4):
-                if not (room and att.log.poll(emit, False, LOG_READ_BYTES)):
+                if not (room > 0 and att.log.poll(emit, False, room)):
                     break
                 got_lines = True
-                room = att.backlog(self.outbox.acked) < self.backlog_max_bytes
-        if now >= att.next_hook and room and att.run_id is not None:
+                room = self._room(att)
+        if now >= att.next_hook and room > 0 and att.run_id is not None:
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
         cancel = read_json(att.file("cancel"))
@@ -1441,6 +1479,19 @@ class Runner(Worker):
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
 
+    def _room(self, att):
+        """Bytes this attempt may still read into the spool (its unacked backlog is capped:
+        the server may be away, and the job's own files keep the rest)."""
+        room = self.backlog_max_bytes - att.backlog(self.outbox.acked)
+        if room <= 0:
+            self._held_back = True
+        return min(LOG_READ_BYTES, max(room, 0))
+
+    def _on_ack(self):
+        if self._held_back:
+            self._held_back = False
+            self._wake.set()
+
     def _next_look(self, att, now, busy):
         # Reading: back off while the log is quiet. Liveness: our own shims wake us; an
         # adopted one (from before a restart) is polled.
@@ -1457,9 +1508,10 @@ class Runner(Worker):
         final checkpoint scan; commands for other jobs run in between. -> False while the
         backlog cap holds it back (the final record must come after all of it)."""
         while True:
-            if att.backlog(self.outbox.acked) >= self.backlog_max_bytes:
+            room = self._room(att)
+            if room <= 0:
                 return False
-            if att.log.poll(emit, True, LOG_READ_BYTES):
+            if att.log.poll(emit, True, room):
                 self._run_commands()
                 continue
             break
@@ -1623,6 +1675,12 @@ def shim_main(path):
     # the agent may restart or its terminal may close; the job must not notice
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if path == "-":
+        # a spare shim, started ahead of time: the agent hands it an attempt dir, or
+        # closes the pipe (stopping, or gone) and it ends without a trace
+        path = sys.stdin.readline().rstrip("\n")
+        if not path:
+            return 0
     now_ms = lambda: int(time.time() * 1000)
     logf = open(os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                         0o600), "ab", buffering=0)
@@ -1676,8 +1734,11 @@ _shim_write = _shim_ns["_shim_write"]
 
 
 def shim_command():
-    """argv that runs the shim; the attempt dir is appended."""
-    return [sys.executable, "-c", SHIM_SOURCE + "\nsys.exit(shim_main(sys.argv[1]))"]
+    """argv that runs the shim; the attempt dir (or "-": read it from stdin) is appended.
+    -I -S: no site packages, no PYTHON* variables; the shim needs only the stdlib and
+    starts in about half the time."""
+    return [sys.executable, "-I", "-S", "-c",
+            SHIM_SOURCE + "\nsys.exit(shim_main(sys.argv[1]))"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """Dispatch latency and drain throughput, beside starting the same processes directly.
 
-    .venv/bin/python bench/dispatch.py [--jobs 50] [--drain 200] [--slots 4]
+    .venv/bin/python bench/dispatch.py [--jobs 50] [--drain 200] [--slots 4] [--idle 30]
 
-Starts a real server (gunicorn) and a real agent with fake GPUs in a temp home, then:
+Starts a real server (gunicorn) and a real agent with fake GPUs (default settings: 5 s
+heartbeat, 10 s node stats) in a temp home, removed at the end, then:
+0. the idle agent's CPU over `--idle` seconds (user + system time of its process, as a
+   share of one core), with the machine's load average beside it;
 1. submit → process start latency for `--jobs` jobs, one at a time on an idle node
    (the job writes time.time() as its first act; the submit time is taken just before
    the POST), median and p95;
@@ -44,8 +47,7 @@ def start_platform(home, slots):
     env["GPUCTL_HOME"] = str(home)
     agent = subprocess.Popen(
         [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
-         "--name", "bench", "--home", str(home), "--fake-gpus", str(slots),
-         "--heartbeat", "2", "--stats-interval", "30"],
+         "--name", "bench", "--home", str(home), "--fake-gpus", str(slots)],
         cwd=ROOT, env=env, stdout=open(home / "agent.log", "ab"), stderr=subprocess.STDOUT,
         start_new_session=True)
     s = requests.Session()
@@ -55,7 +57,7 @@ def start_platform(home, slots):
         nodes = s.get(url + "/api/v1/nodes", timeout=2).json()["nodes"]
         return nodes and nodes[0]["state"] == "connected" and nodes[0]["synced"]
     wait(node_ready, what="agent")
-    return url, s, [agent, server]
+    return url, s, [agent, server], agent
 
 
 def submit(s, url, command, workdir):
@@ -75,13 +77,23 @@ def main():
     ap.add_argument("--jobs", type=int, default=50)
     ap.add_argument("--drain", type=int, default=200)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle measurement")
     args = ap.parse_args()
 
     home = pathlib.Path(tempfile.mkdtemp(prefix="gpuplane-bench-"))
     work = home / "work"
     work.mkdir()
-    url, s, procs = start_platform(home, args.slots)
+    url, s, procs, agent = start_platform(home, args.slots)
     try:
+        # 0. the idle agent
+        import psutil
+        ap_ = psutil.Process(agent.pid)
+        time.sleep(2)               # past the connect and first node stats
+        c0, t0, load0 = sum(ap_.cpu_times()[:2]), time.monotonic(), os.getloadavg()[0]
+        time.sleep(args.idle)
+        idle_cpu = (sum(ap_.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+        load = (load0 + os.getloadavg()[0]) / 2
+
         # 1. submit → start latency, one job at a time on an idle node
         stamp = ("import sys, time; open(sys.argv[1], 'w').write(repr(time.time()))")
         lat = []
@@ -125,6 +137,8 @@ def main():
         shutil.rmtree(home, ignore_errors=True)
 
     ms = lambda v: f"{v * 1000:.1f} ms"
+    print(f"idle agent over {args.idle:.0f} s: {idle_cpu * 100:.3f} % of a core "
+          f"(load average {load:.1f} on {os.cpu_count()} cores)")
     print(f"submit → process start over {args.jobs} jobs, idle node with {args.slots} fake GPUs")
     print(f"  gpuplane : median {ms(statistics.median(lat))}, p95 {ms(pct(lat, 95))}")
     print(f"  direct   : median {ms(statistics.median(direct))}, p95 {ms(pct(direct, 95))}"
