@@ -59,7 +59,7 @@ class ConfigError(Exception):
 class Config:
     def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=4,
                  heartbeat_s=5.0, stats_interval_s=10.0, job_retention_days=14.0,
-                 backlog_mb=32.0):
+                 backlog_mb=32.0, default_image=None, docker_args=(), docker="docker"):
         self.server = server
         self.token = token
         self.name = name
@@ -70,6 +70,12 @@ class Config:
         self.stats_interval_s = float(stats_interval_s)
         self.job_retention_days = float(job_retention_days)
         self.backlog_mb = float(backlog_mb)
+        self.default_image = default_image or None
+        if isinstance(docker_args, str) or not all(isinstance(a, str) for a in docker_args):
+            raise ConfigError("docker_args must be a list of strings, e.g. "
+                              '["--memory=32g", "--shm-size=8g"]')
+        self.docker_args = list(docker_args)
+        self.docker = str(docker)
 
     @property
     def agent_dir(self):
@@ -94,6 +100,11 @@ def build_parser():
     p.add_argument("--cpu-slots", type=int, metavar="N", help="concurrent cpu_only jobs")
     p.add_argument("--heartbeat", type=float, metavar="S", help="heartbeat interval")
     p.add_argument("--stats-interval", type=float, metavar="S", help="node stats interval")
+    p.add_argument("--default-image", metavar="IMG",
+                   help="run every job without its own --image in a container of IMG")
+    p.add_argument("--docker-arg", action="append", metavar="ARG", dest="docker_args",
+                   help="extra `docker run` option for every container job, e.g. "
+                        "--docker-arg=--memory=32g (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -127,7 +138,10 @@ def load_config(args):
                   heartbeat_s=pick(args.heartbeat, "heartbeat_s", 5.0),
                   stats_interval_s=pick(args.stats_interval, "stats_interval_s", 10.0),
                   job_retention_days=toml.get("job_retention_days", 14.0),
-                  backlog_mb=toml.get("backlog_mb", 32.0))
+                  backlog_mb=toml.get("backlog_mb", 32.0),
+                  default_image=pick(args.default_image, "default_image"),
+                  docker_args=pick(args.docker_args, "docker_args", []),
+                  docker=toml.get("docker", "docker"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -699,6 +713,8 @@ class Attempt:
         self.working_dir = start.get("working_dir")
         self.tb_dir = start.get("tb_dir")
         self.watch_dir = start.get("watch_dir")
+        self.container = spec.get("container")   # a container's name, for image jobs
+        self.container_stop_sent = False
         self.popen = None                 # the shim, when this agent process launched it
         self.shim_gone = False            # our waiter saw the shim exit
         self.pid_info = None
@@ -908,6 +924,157 @@ def _killpg(pgid, sig):
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---------------------------------------------------------------------------------------
+# containers: a job with an image runs under the same shim as `docker run` (docs/docker.md)
+# ---------------------------------------------------------------------------------------
+# The shim's child is the docker CLI, attached: the container's output is the job's log,
+# its exit code the CLI's, and a restarted agent re-adopts the shim as for any job. What
+# a process tree cannot tell, the engine can: a cancel also stops the container (SIGTERM,
+# SIGKILL after the grace), and an exit is checked for the OOM killer before the
+# container is removed.
+
+CONTAINER_SDK_DIR = "/opt/gpuctl-sdk"
+_DOCKER_ERROR_CODE = 125      # `docker run` itself failed: no container ran
+
+
+def _container_safe(text):
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:60] or "node"
+
+
+class Docker:
+    def __init__(self, node, binary="docker", extra_args=(), default_image=None):
+        self.node = node
+        self.binary = binary
+        self.extra_args = list(extra_args or ())
+        self.default_image = default_image or None
+        self._nvidia = None
+
+    def prefix(self):
+        return f"gpuplane-{_container_safe(self.node)}-"
+
+    def name(self, job_id, attempt):
+        return f"{self.prefix()}{int(job_id)}-{int(attempt)}"
+
+    def path(self):
+        return shutil.which(self.binary)
+
+    def _run(self, *args, timeout=30):
+        return subprocess.run([self.path() or self.binary, *args], capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def nvidia_runtime(self):
+        if self._nvidia is None:
+            try:
+                r = self._run("info", "--format", "{{json .Runtimes}}", timeout=15)
+                self._nvidia = r.returncode == 0 and "nvidia" in r.stdout
+            except (OSError, subprocess.SubprocessError):
+                self._nvidia = False
+        return self._nvidia
+
+    def exec_spec(self, msg, env, image, sdk_dir=SDK_DIR):
+        """The shim's exec record for `docker run`. Raises ValueError with a sentence."""
+        exe = self.path()
+        if exe is None:
+            raise ValueError(f"this job runs in the image {image!r} but {self.binary!r} is "
+                             "not installed on this host; install Docker or submit without "
+                             "--image")
+        wd = msg.get("working_dir")
+        resolve_command(["true"], wd, env)    # the working dir and env checks, the same
+        command = msg.get("command")
+        if isinstance(command, str):
+            command = ["/bin/sh", "-c", command]
+        if not command or not all(isinstance(a, str) and "\0" not in a for a in command):
+            raise ValueError(f"command must be a non-empty list of strings, got {command!r}")
+        passed = dict((k, v) for k, v in (msg.get("env") or {}).items())
+        for k in ("GPUCTL_RUN_ID", "GPUCTL_JOB_ID", "GPUCTL_SERVER", "GPUCTL_TOKEN",
+                  "PYTHONUNBUFFERED"):
+            passed[k] = env.get(k, "")
+        gpus = [] if msg.get("cpu_only") else list(msg.get("gpus") or [])
+        argv = [exe, "run", "--name", self.name(msg["job_id"], msg["attempt"]),
+                "--init", "--pull", "never", "--network", "host",
+                "--user", f"{os.getuid()}:{os.getgid()}",
+                "--label", f"gpuplane.node={self.node}",
+                "--label", f"gpuplane.job={int(msg['job_id'])}",
+                "--label", f"gpuplane.attempt={int(msg['attempt'])}",
+                "-v", f"{wd}:{wd}", "-w", wd]
+        if gpus and self.nvidia_runtime():
+            # the container sees its cards as 0..n-1
+            argv += ["--gpus", f"device={','.join(str(g) for g in gpus)}"]
+            passed["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(gpus)))
+        else:
+            passed["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        if "PYTHONPATH" not in (msg.get("env") or {}) and os.path.isdir(sdk_dir):
+            argv += ["-v", f"{sdk_dir}:{CONTAINER_SDK_DIR}:ro"]
+            passed["PYTHONPATH"] = CONTAINER_SDK_DIR
+        cli_env = dict(env)
+        for k, v in passed.items():
+            argv += ["-e", k]          # the value comes from the CLI's environment, not argv
+            cli_env[k] = v
+        argv += self.extra_args + [image] + list(command)
+        return {"argv": argv, "executable": exe, "cwd": wd, "env": cli_env}
+
+    def stop(self, name, grace_s):
+        """SIGTERM to the container, SIGKILL after grace_s; does not wait."""
+        try:
+            subprocess.Popen([self.path() or self.binary, "stop", "-t",
+                              str(max(1, int(grace_s))), name], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        except OSError as e:
+            log.warning("docker stop %s failed: %s", name, e)
+
+    def inspect(self, name):
+        """-> {"oom_killed", "exit_code", "running"} or None when there is no container."""
+        try:
+            r = self._run("inspect", "--format",
+                          "{{.State.OOMKilled}} {{.State.ExitCode}} {{.State.Running}}", name)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if r.returncode != 0:
+            return None
+        oom, code, running = (r.stdout.split() + ["", "", ""])[:3]
+        return {"oom_killed": oom == "true", "exit_code": int(code) if code.isdigit() else None,
+                "running": running == "true"}
+
+    def remove(self, name):
+        try:
+            self._run("rm", "-f", name)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("docker rm %s failed: %s", name, e)
+
+    def leftovers(self):
+        """Names of this node's containers (running or not)."""
+        if self.path() is None:
+            return []
+        try:
+            r = self._run("ps", "-a", "--filter", f"label=gpuplane.node={self.node}",
+                          "--format", "{{.Names}}", timeout=15)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        if r.returncode != 0:
+            return []
+        return [n for n in r.stdout.split() if n.startswith(self.prefix())]
+
+    def classify(self, name, exit_info):
+        """Refine an exit with what the engine knows, then remove the container.
+        -> the exit record to classify."""
+        info = self.inspect(name)
+        if info is None:
+            if exit_info.get("exit_code") == _DOCKER_ERROR_CODE:
+                return dict(exit_info, failure_kind="DISPATCH_FAILED",
+                            message="docker could not start the container (see the job's "
+                                    "log: a missing image, a bad option, no daemon)")
+            return exit_info
+        self.remove(name)
+        if info["oom_killed"]:
+            return dict(exit_info, exit_code=info["exit_code"], failure_kind="OOM",
+                        message="the container was killed by the kernel's OOM killer "
+                                "(its memory limit was reached)")
+        if exit_info.get("exit_code") is None and info["exit_code"] is not None:
+            exit_info = dict(exit_info, exit_code=info["exit_code"], signal=None)
+        return exit_info
 
 
 class LogTail:
@@ -1192,8 +1359,9 @@ class Runner(Worker):
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
                  hook_interval_s=2.0, shim_argv=None, secrets=(),
                  backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=14.0,
-                 ckpt_interval_s=CKPT_INTERVAL_S):
+                 ckpt_interval_s=CKPT_INTERVAL_S, docker=None):
         super().__init__()
+        self.docker = docker or Docker(socket.gethostname())
         self.jobs_dir = os.path.join(agent_dir, "jobs")
         make_private_dirs(self.jobs_dir)
         self.outbox = outbox
@@ -1253,6 +1421,17 @@ class Runner(Worker):
             log.info("re-adopting job %s attempt %s (log offset %d, line %d)",
                      job_id, attempt, att.log.offset, att.log.line_no)
         self._publish()
+        self.remove_lost_containers()
+
+    def remove_lost_containers(self):
+        """Containers of this node that belong to no attempt still running here (the
+        agent died before removing them, or their shim vanished) are removed."""
+        keep = {att.container for att in self.active.values() if att.container}
+        for name in self.docker.leftovers():
+            if name not in keep:
+                log.warning("removing container %s: no running attempt of this node owns it",
+                            name)
+                self.docker.remove(name)
 
     def _new_attempt(self, job_id, attempt, path):
         att = Attempt(job_id, attempt, path)
@@ -1374,14 +1553,19 @@ class Runner(Worker):
             msg["server_url"] = self.server_url
         env = job_environment(msg, secrets=self.secrets)
         spec = {"start": msg, "received_at": now_ms()}
+        image = msg.get("image") or self.docker.default_image
         try:
-            argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
             for need in msg.get("require_paths") or []:
                 if not os.path.exists(need):
                     raise ValueError(f"{need} does not exist on this host (deleted or moved?); "
                                      "nothing to run against")
-            spec["exec"] = {"argv": argv, "executable": exe,
-                            "cwd": msg["working_dir"], "env": env}
+            if image:
+                spec["exec"] = self.docker.exec_spec(msg, env, image)
+                spec["container"] = self.docker.name(job_id, attempt)
+            else:
+                argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
+                spec["exec"] = {"argv": argv, "executable": exe,
+                                "cwd": msg["working_dir"], "env": env}
         except ValueError as e:
             spec["exec"] = None
             write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
@@ -1455,6 +1639,9 @@ class Runner(Worker):
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
         cancel = read_json(att.file("cancel"))
+        if cancel is not None and att.container and not att.container_stop_sent:
+            att.container_stop_sent = True
+            self.docker.stop(att.container, self.kill_grace_s)
         if cancel is not None and not self.launcher.enforce_cancel(att, cancel):
             return now + 0.1            # inside the grace period with survivors
         exit_info = read_json(att.file("exit"))
@@ -1557,6 +1744,11 @@ class Runner(Worker):
         att.running_reported = True
 
     def _finish(self, att, exit_info, cancel):
+        if att.container:
+            if exit_info.get("failure_kind") == "LOST":
+                self.docker.remove(att.container)
+            else:
+                exit_info = self.docker.classify(att.container, exit_info)
         if exit_info.get("failure_kind") == "LOST":
             kind, message = "LOST", exit_info["message"]
         else:
@@ -2486,10 +2678,12 @@ class Agent:
         http = config.server
         if http.startswith(("ws://", "wss://")):
             http = "http" + http[2:]
+        docker = Docker(config.name, binary=config.docker, extra_args=config.docker_args,
+                        default_image=config.default_image)
         self.runner = Runner(config.agent_dir, self.outbox, kill_grace_s=kill_grace_s,
                              server_url=http.rstrip("/"), secrets=(config.token,),
                              backlog_max_bytes=int(config.backlog_mb * 2**20),
-                             retention_days=config.job_retention_days)
+                             retention_days=config.job_retention_days, docker=docker)
         self.probe = GpuProbe(config.fake_gpus, config.name)
         self.stats = StatsReporter(self.outbox, self.runner, self.probe, config.home,
                                    interval=config.stats_interval_s)

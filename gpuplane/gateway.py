@@ -102,6 +102,7 @@ class Gateway:
                 "working_dir": job["working_dir"], "env": job["env"],
                 "gpus": job["gpu_indices"] or [], "cpu_only": job["cpu_only"],
                 "tb_dir": job["tb_dir"], "watch_dir": job["watch_dir"],
+                "image": job.get("image"),
                 "server_url": self.server_url(), "ingest_token": ingest_token,
                 # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
                 "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]

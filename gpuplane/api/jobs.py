@@ -2,6 +2,7 @@
 import json
 import os
 import posixpath
+import re
 import select
 import socket
 import time
@@ -108,7 +109,19 @@ def parse_job_spec(data):
         "depends_on": depends_on, "depends_any": depends_any,
         "held": field(data, "held", bool, False),
         "eval_command": eval_command,
+        "image": _image(data),
     }
+
+
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
+
+
+def _image(data):
+    image = field(data, "image", str, None, max_len=255, nullable=True)
+    if image is not None and not _IMAGE.match(image):
+        raise BadRequest(f"'image' must be a container image reference such as "
+                         f"\"pytorch/pytorch:2.4.0-cuda12.1-cudnn9-runtime\", got {image[:80]!r}")
+    return image
 
 
 def _dependencies(data, job_id=None, required=False):

@@ -47,6 +47,9 @@ def add_parser(subparsers):
     p.add_argument("--experiment", metavar="E", help="experiment of the job's runs")
     p.add_argument("--tb-dir", metavar="D", help="TensorBoard log directory to tail")
     p.add_argument("--watch", metavar="D", help="checkpoint directory to watch")
+    p.add_argument("--image", metavar="IMG",
+                   help="run the job in a container of this image (Docker on the agent's "
+                        "host; docs/docker.md)")
     add_dependency_options(p)
     p.add_argument("--hold", action="store_true",
                    help="queue it held: it starts only after `gpuplane job release ID`")
@@ -124,6 +127,7 @@ def job_body(args):
         "after": args.after,
         "after_any": args.after_any,
         "held": True if args.hold else None,
+        "image": args.image,
     }
     working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
     return command, working_dir, fields
@@ -210,6 +214,7 @@ def cmd_job_show(args):
         ("project", " / ".join(x for x in (job.get("project"), job.get("experiment")) if x)
          or None),
         ("env", " ".join(f"{k}={v}" for k, v in (job.get("env") or {}).items()) or None),
+        ("image", job.get("image")),
         ("tensorboard", job.get("tb_dir")),
         ("watch", job.get("watch_dir")),
         ("node", job.get("node")),

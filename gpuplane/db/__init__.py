@@ -307,8 +307,14 @@ CREATE TABLE metric_definitions (
 );
 """
 
+# A job may run in a container (the agent's DockerRunner, docs/docker.md): its image.
+SCHEMA_V5_JOB_IMAGE = """
+ALTER TABLE jobs ADD COLUMN image TEXT;
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
-MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS]
+MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
+              SCHEMA_V5_JOB_IMAGE]
 
 
 class NestedTransaction(RuntimeError):

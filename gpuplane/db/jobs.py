@@ -76,15 +76,16 @@ def insert(conn, spec, ts):
     cur = conn.execute(
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
-        " depends_on, depends_any, held, eval_command, created_at, queued_at)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " depends_on, depends_any, held, eval_command, image, created_at, queued_at)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
          spec.get("tb_dir"), spec.get("watch_dir"), spec.get("parent_checkpoint_id"),
          dumps(spec.get("depends_on") or []), int(bool(spec.get("depends_any"))),
          int(bool(spec.get("held"))),
-         dumps(spec["eval_command"]) if spec.get("eval_command") else None, ts, ts))
+         dumps(spec["eval_command"]) if spec.get("eval_command") else None,
+         spec.get("image"), ts, ts))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 

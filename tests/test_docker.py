@@ -1,0 +1,136 @@
+"""Jobs in containers (agent.py's Docker): a real Docker engine, a real server and agent.
+
+The image is made here from the static busybox (no registry is reachable):
+`.ci/run` installs docker.io and busybox-static and starts dockerd when they are absent.
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from procs import wait_for
+
+IMAGE = "gpuplane-test/busybox:1"
+BUSYBOX = "/usr/bin/busybox"
+
+
+def _docker(*args, timeout=60):
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _engine_problem():
+    if shutil.which("docker") is None:
+        return "the docker CLI is not installed (apt-get install docker.io)"
+    try:
+        if _docker("info", timeout=20).returncode != 0:
+            return "no Docker engine answers (start dockerd)"
+    except subprocess.TimeoutExpired:
+        return "the Docker engine does not answer"
+    if _docker("image", "inspect", IMAGE).returncode == 0:
+        return None
+    if not os.path.exists(BUSYBOX):
+        return "no static busybox to build the test image from (apt-get install busybox-static)"
+    with tempfile.TemporaryDirectory() as d:
+        os.makedirs(f"{d}/bin")
+        shutil.copy(BUSYBOX, f"{d}/bin/busybox")
+        for tool in ("sh", "echo", "sleep", "cat", "id", "env", "ls", "true", "touch"):
+            os.symlink("busybox", f"{d}/bin/{tool}")
+        tar = subprocess.Popen(["tar", "-C", d, "-c", "."], stdout=subprocess.PIPE)
+        r = subprocess.run(["docker", "import", "-", IMAGE], stdin=tar.stdout,
+                           capture_output=True, text=True, timeout=120)
+        tar.wait()
+    return None if r.returncode == 0 else f"docker import failed: {r.stderr.strip()}"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    problem = _engine_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+def _containers(node):
+    r = _docker("ps", "-a", "--filter", f"label=gpuplane.node={node}", "--format", "{{.Names}}")
+    return r.stdout.split()
+
+
+def _submit(api, tmp_path, command, **fields):
+    return api.submit(["/bin/sh", "-c", command], tmp_path, image=IMAGE, **fields)
+
+
+def test_a_container_job_has_the_bare_process_semantics(engine, live_server, agent_factory,
+                                                        tmp_path):
+    agent_factory(live_server, name="dock1")
+    api = live_server.api
+    job = _submit(api, tmp_path, 'echo "in a container"; '
+                  'echo "cuda=$CUDA_VISIBLE_DEVICES run=$GPUCTL_RUN_ID mine=$MINE"; '
+                  'echo written > out.txt; exit 3', gpus=1, env={"MINE": "x y"})
+    done = api.wait_job(job["id"], timeout=90)
+    assert (done["state"], done["failure_kind"], done["exit_code"]) == ("FAILED", "EXIT_CODE", 3)
+    lines = [l["text"] for l in api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]]
+    assert "in a container" in lines
+    assert f"cuda={done['gpu_indices'][0]} run={done['run_id']} mine=x y" in lines
+    assert (tmp_path / "out.txt").read_text() == "written\n"       # the working dir is mounted
+    assert _containers("dock1") == []                              # removed after its exit
+    assert api.job(job["id"])["image"] == IMAGE
+
+
+def test_cancel_stops_the_container(engine, live_server, agent_factory, tmp_path):
+    agent_factory(live_server, name="dock2")
+    api = live_server.api
+    job = _submit(api, tmp_path, "echo up; sleep 1000", gpus=1)
+    wait_for(lambda: any(l["text"] == "up" for l in
+                         api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]), 60,
+             what="the container's first line")
+    assert _containers("dock2") == [f"gpuplane-dock2-{job['id']}-1"]
+    api.post(f"/api/v1/jobs/{job['id']}/cancel", expect=200)
+    assert api.wait_job(job["id"], timeout=60)["state"] == "CANCELLED"
+    wait_for(lambda: _containers("dock2") == [], 30, what="the container gone")
+
+
+def test_an_oom_killed_container_is_oom(engine, live_server, agent_factory, tmp_path):
+    agent_factory(live_server, name="dock3", extra=("--docker-arg=--memory=32m",))
+    job = _submit(live_server.api, tmp_path, "x=0123456789; while true; do x=$x$x; done",
+                  gpus=1)
+    done = live_server.api.wait_job(job["id"], timeout=120)
+    assert (done["state"], done["failure_kind"]) == ("FAILED", "OOM")
+    assert "OOM killer" in done["message"]
+
+
+def test_a_missing_image_is_a_dispatch_failure(engine, live_server, agent_factory, tmp_path):
+    agent_factory(live_server, name="dock4")
+    job = live_server.api.submit(["true"], tmp_path, image="gpuplane-test/nope:1", gpus=1)
+    done = live_server.api.wait_job(job["id"], timeout=60)
+    assert (done["state"], done["failure_kind"]) == ("FAILED", "DISPATCH_FAILED")
+    lines = [l["text"] for l in live_server.api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]]
+    assert any("No such image" in l for l in lines)
+
+
+def test_a_restarted_agent_readopts_its_container_and_removes_lost_ones(
+        engine, live_server, agent_factory, tmp_path):
+    agent = agent_factory(live_server, name="dock5")
+    api = live_server.api
+    job = _submit(api, tmp_path, "echo up; while [ ! -e gate ]; do sleep 0.1; done; echo done",
+                  gpus=1)
+    wait_for(lambda: any(l["text"] == "up" for l in
+                         api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]), 60,
+             what="the container's first line")
+    agent.kill()
+    lost = "gpuplane-dock5-9999-1"
+    assert _docker("create", "--name", lost, "--label", "gpuplane.node=dock5", IMAGE,
+                   "true").returncode == 0
+    (tmp_path / "gate").touch()
+    agent.start()
+    done = api.wait_job(job["id"], timeout=90)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 1
+    assert [l["text"] for l in api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]] == ["up", "done"]
+    wait_for(lambda: _containers("dock5") == [], 30, what="lost containers removed")
+
+
+def test_an_image_reference_is_checked_at_submit(live_server, tmp_path):
+    r = live_server.api.post("/api/v1/jobs", {"command": ["true"], "working_dir": str(tmp_path),
+                                              "image": "bad image; rm -rf /"})
+    assert live_server.api.last.status_code == 400 and "image" in r["error"]["message"]
