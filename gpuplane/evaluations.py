@@ -49,6 +49,7 @@ def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_on
         "max_attempts": job["max_attempts"] if job else 3, "env": env,
         "project": run["project"], "experiment": run["experiment"],
         "tb_dir": None, "watch_dir": None, "parent_checkpoint_id": ckpt["id"],
+        "image": job.get("image") if job else None,     # the training job's container too
     }
     with lifecycle.transaction() as t:
         new = lifecycle.submit(spec, t)
