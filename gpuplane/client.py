@@ -189,8 +189,14 @@ class Client:
     def post(self, path, body=None):
         return self.request("POST", path, body=body if body is not None else {})
 
-    def delete(self, path):
-        return self.request("DELETE", path)
+    def delete(self, path, **params):
+        return self.request("DELETE", path, params=params)
+
+    def put(self, path, body=None):
+        return self.request("PUT", path, body=body if body is not None else {})
+
+    def patch(self, path, body=None):
+        return self.request("PATCH", path, body=body if body is not None else {})
 
     def _answer(self, resp):
         try:
@@ -347,9 +353,9 @@ class Client:
         return self.get(f"runs/{run_id}/metrics/{quote(key)}", max_points=max_points,
                         from_step=from_step, to_step=to_step)
 
-    def create_run(self, project=None, experiment=None, name=None, config=None):
+    def create_run(self, project=None, experiment=None, name=None, config=None, source="sdk"):
         body = {"project": project, "experiment": experiment, "name": name,
-                "config": config, "source": "sdk"}
+                "config": config, "source": source}
         return self.post("runs", {k: v for k, v in body.items() if v is not None})
 
     def finish_run(self, run_id, status="SUCCEEDED"):
@@ -406,6 +412,78 @@ class Client:
 
     def explain_failure(self, job_id):
         return self.get(f"jobs/{job_id}/explanation")
+
+    # -- checkpoints, evaluations, projects, experiments, metric definitions (owner: ckpt) --
+
+    def checkpoints(self, run=None, project=None, experiment=None, limit=None):
+        return self.get("checkpoints", run=run, project=project, experiment=experiment,
+                        limit=limit)
+
+    def get_checkpoint(self, checkpoint_id):
+        return self.get(f"checkpoints/{checkpoint_id}")
+
+    def queue_evaluation(self, checkpoint_id, command=None, working_dir=None, gpus=None,
+                         cpu_only=None):
+        body = {"command": command, "working_dir": working_dir, "gpus": gpus,
+                "cpu_only": cpu_only}
+        return self.post(f"checkpoints/{checkpoint_id}/evaluations",
+                         {k: v for k, v in body.items() if v is not None})
+
+    def get_evaluation(self, evaluation_id):
+        return self.get(f"evaluations/{evaluation_id}")
+
+    def register_checkpoint(self, run_id, path, step=None, epoch=None, size_bytes=None,
+                            fingerprint=None, source=None):
+        body = {"path": path, "step": step, "epoch": epoch, "size_bytes": size_bytes,
+                "fingerprint": fingerprint, "source": source}
+        return self.post(f"runs/{run_id}/checkpoints",
+                         {k: v for k, v in body.items() if v is not None})
+
+    def update_run(self, run_id, config=None, tags=None, name=None):
+        body = {"config": config, "tags": tags, "name": name}
+        return self.patch(f"runs/{run_id}", {k: v for k, v in body.items() if v is not None})
+
+    def projects(self, archived=False):
+        return self.get("projects", archived=1 if archived else None)
+
+    def create_project(self, name, description=None):
+        return self.post("projects", {"name": name, "description": description or ""})
+
+    def update_project(self, name, **fields):
+        return self.patch(f"projects/{quote(name)}", fields)
+
+    def delete_project(self, name, archive=False):
+        return self.delete(f"projects/{quote(name)}", archive=1 if archive else None)
+
+    def experiments(self, project=None, archived=False):
+        return self.get("experiments", project=project, archived=1 if archived else None)
+
+    def create_experiment(self, project, name, description=None):
+        return self.post(f"projects/{quote(project)}/experiments",
+                         {"name": name, "description": description or ""})
+
+    def update_experiment(self, project, name, **fields):
+        return self.patch(f"projects/{quote(project)}/experiments/{quote(name)}", fields)
+
+    def delete_experiment(self, project, name, archive=False):
+        return self.delete(f"projects/{quote(project)}/experiments/{quote(name)}",
+                           archive=1 if archive else None)
+
+    def experiment_runs(self, project, name, key=None):
+        return self.get(f"projects/{quote(project)}/experiments/{quote(name)}/runs", key=key)
+
+    def metric_definitions(self, project=None, experiment=None):
+        return self.get("metric-definitions", project=project, experiment=experiment)
+
+    def put_metric_definition(self, key, project=None, experiment=None, direction=None,
+                              primary=None, description=None):
+        body = {"key": key, "project": project, "experiment": experiment,
+                "direction": direction, "primary": primary, "description": description}
+        return self.put("metric-definitions", {k: v for k, v in body.items() if v is not None})
+
+    def delete_metric_definition(self, key, project=None, experiment=None):
+        return self.delete("metric-definitions", key=key, project=project,
+                           experiment=experiment)
 
 
 def placement_warning(job, nodes):

@@ -76,26 +76,39 @@ def overlay(db, run_ids, key, max_points=500):
 
 
 def leaderboard(db, project, experiment, key=None, limit=200):
-    """The runs of an experiment with their best value of the primary metric, best first
-    (runs without the key last). EVALUATE runs are left out."""
+    """The runs of an experiment, best first by the primary metric: a run's value is the
+    best evaluation result among its checkpoints when it has one (as in recommend), else
+    the best value it logged; runs with neither come last. EVALUATE runs are left out."""
     rs = runs.list_runs(db, project=project, experiment=experiment, limit=limit)
     evaluating = checkpoints.evaluation_runs(db, [r["id"] for r in rs])
     rs = [r for r in rs if r["id"] not in evaluating]
     keys = [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
                                     if not k.startswith(checkpoints.SYSTEM_PREFIX)})]
     key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
+    if key is None:
+        return {"project": project, "experiment": experiment, "metric": metric,
+                "runs": [{**r, "best": None, "best_evaluated": None} for r in rs]}
+    sign = 1 if d == "min" else -1
+    evaluated = {}
+    for c in checkpoints.candidates(db, key, project=project, experiment=experiment):
+        v = c["evaluation"]
+        if v is not None and v == v:
+            old = evaluated.get(c["run_id"])
+            if old is None or sign * v < sign * old["value"]:
+                evaluated[c["run_id"]] = {"value": v, "checkpoint_id": c["id"],
+                                          "step": c["step"]}
     rows = []
     for r in rs:
-        kid = metrics.key_id(db, r["id"], key) if key else None
+        kid = metrics.key_id(db, r["id"], key)
         best = metrics.key_summary(db, kid, key, d)["best"] if kid else None
-        rows.append({**r, "best": best})
-    sign = 1 if d == "min" else -1
+        rows.append({**r, "best": best, "best_evaluated": evaluated.get(r["id"])})
 
     def order(row):
-        b = row["best"]
-        v = b["value"] if b else None
-        if not isinstance(v, (int, float)):
-            return (1, 0, row["id"])
-        return (0, sign * v, row["id"])
+        if row["best_evaluated"]:
+            return (0, sign * row["best_evaluated"]["value"], row["id"])
+        v = row["best"]["value"] if row["best"] else None
+        if isinstance(v, (int, float)):
+            return (1, sign * v, row["id"])
+        return (2, 0, row["id"])
     rows.sort(key=order)
     return {"project": project, "experiment": experiment, "metric": metric, "runs": rows}

@@ -177,9 +177,12 @@ def test_recommend_prefers_evaluation_results_then_training_values(api, app):
     # the semantic layer's checkpoint comparison sees the same evaluation
     k = api.get(f"/checkpoints:compare?runs={a},{b}&key=val/loss")
     assert k["ranked"][0]["checkpoint_id"] == ca1["id"]
-    # the EVALUATE run is no candidate and no leaderboard row
+    # the leaderboard ranks a run by its evaluated checkpoints first, like recommend;
+    # the EVALUATE run is no row of it
     board = api.get("/projects/p/experiments/e/runs")
-    assert [row["id"] for row in board["runs"]] == [b, a]
+    assert [row["id"] for row in board["runs"]] == [a, b]
+    assert board["runs"][0]["best_evaluated"]["checkpoint_id"] == ca1["id"]
+    assert board["runs"][1]["best"]["value"] == 0.45
     # a defined primary wins over the guess
     api.call("PUT", "/metric-definitions", {"key": "train/loss", "project": "p",
                                             "primary": True})

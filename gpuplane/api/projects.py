@@ -228,7 +228,7 @@ def list_definitions():
             "scope": {"project": project, "experiment": experiment}}
 
 
-@bp.put("/metric-definitions")
+@bp.route("/metric-definitions", methods=["PUT", "POST"])
 @requires("write")
 def put_definition():
     data = body()

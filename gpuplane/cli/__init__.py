@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import backups, common, jobs, runs, semantic, status, tokens, up
+from . import backups, checkpoints, common, jobs, runs, semantic, status, tokens, up
 from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
                      EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
                      print_table)
@@ -32,6 +32,7 @@ COMMANDS = [
     tokens,     # token ...
     runs,       # run ...
     semantic,   # diagnose, explain
+    checkpoints,  # ckpt ..., project ..., exp ..., metric ..., import-run
     backups,    # backup, restore
 ]
 

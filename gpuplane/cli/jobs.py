@@ -50,6 +50,9 @@ def add_parser(subparsers):
     p.add_argument("--image", metavar="IMG",
                    help="run the job in a container of this image (Docker on the agent's "
                         "host; docs/docker.md)")
+    p.add_argument("--eval-command", metavar="CMD",
+                   help="how to evaluate one of its checkpoints (run through /bin/sh -c by "
+                        "`gpuplane ckpt evaluate ID`, with $GPUCTL_CHECKPOINT_PATH set)")
     add_dependency_options(p)
     p.add_argument("--hold", action="store_true",
                    help="queue it held: it starts only after `gpuplane job release ID`")
@@ -128,6 +131,7 @@ def job_body(args):
         "after_any": args.after_any,
         "held": True if args.hold else None,
         "image": args.image,
+        "eval_command": args.eval_command,
     }
     working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
     return command, working_dir, fields

@@ -1,0 +1,321 @@
+"""`gpuplane ckpt ...`, `project ...`, `exp ...`, `metric ...` and `import-run`: the
+checkpoint registry and what decides between runs (docs/checkpoints.md)."""
+
+import argparse
+
+from .common import (EXIT_ERROR, EXIT_OK, CliError, ago, command, id_type, make_client, note,
+                     parents, print_json, print_table)
+
+ckpt_id_type = id_type("checkpoint", "gpuplane ckpt list")
+run_id_type = id_type("run", "gpuplane run list")
+
+
+def add_parser(subparsers):
+    conn, js, _ = parents()
+
+    # -- ckpt ---------------------------------------------------------------------------
+    ck = command(subparsers, "ckpt", "checkpoints: list, show, evaluate, recommend",
+                 parents=(conn,))
+    cs = ck.add_subparsers(dest="ckpt_command", metavar="CKPT_COMMAND", required=True)
+    p = command(cs, "list", "list checkpoints (of a run, an experiment or a project)",
+                parents=(conn, js))
+    p.add_argument("--run", type=run_id_type, metavar="RUN")
+    p.add_argument("--project", metavar="P")
+    p.add_argument("--experiment", metavar="E")
+    p.add_argument("--limit", type=int, default=1000)
+    p.set_defaults(func=cmd_ckpt_list)
+    p = command(cs, "show", "a checkpoint: its metrics at the nearest step, its evaluations",
+                parents=(conn, js))
+    p.add_argument("checkpoint_id", type=ckpt_id_type, metavar="ID")
+    p.set_defaults(func=cmd_ckpt_show)
+    p = command(cs, "evaluate", "queue an EVALUATE job for a checkpoint: gpuplane ckpt "
+                "evaluate ID [-- CMD ARGS...] (default: the training job's --eval-command)",
+                parents=(conn, js))
+    p.add_argument("checkpoint_id", type=ckpt_id_type, metavar="ID")
+    p.add_argument("-d", "--dir", dest="working_dir", metavar="DIR",
+                   help="working dir on the agent's host (default: the training job's)")
+    p.add_argument("-g", "--gpus", type=int, metavar="N", help="GPUs (default: the job's)")
+    p.add_argument("--cpu-only", action="store_true", default=None)
+    p.add_argument("cmd", nargs="*", metavar="CMD", help="the command, after `--`")
+    p.set_defaults(func=cmd_ckpt_evaluate)
+    p = command(cs, "recommend", "the checkpoint to keep, by the primary metric, with the "
+                "reason, the runner-up and the margin", parents=(conn, js))
+    p.add_argument("--run", type=run_id_type, metavar="RUN")
+    p.add_argument("--project", metavar="P")
+    p.add_argument("--experiment", metavar="E")
+    p.add_argument("--key", metavar="KEY", help="decide by this metric instead")
+    p.set_defaults(func=cmd_ckpt_recommend)
+
+    # -- project / exp ------------------------------------------------------------------
+    for noun, help_ in (("project", "projects: list, create, rename, describe, delete"),
+                        ("exp", "experiments of a project: list, create, rename, delete, "
+                                "runs by best value")):
+        top = command(subparsers, noun, help_, parents=(conn,))
+        sub = top.add_subparsers(dest=f"{noun}_command", metavar="COMMAND", required=True)
+        scope = argparse.ArgumentParser(add_help=False)
+        if noun == "exp":
+            scope.add_argument("--project", "-p", metavar="P", default="default",
+                               help="its project (default: default)")
+        p = command(sub, "list", f"list {noun}s", parents=(conn, js))
+        if noun == "exp":
+            p.add_argument("--project", "-p", metavar="P", help="only this project's")
+        p.add_argument("--archived", action="store_true", help="include archived ones")
+        p.set_defaults(func=cmd_list, noun=noun)
+        p = command(sub, "create", f"create a {noun}", parents=(conn, js, scope))
+        p.add_argument("name")
+        p.add_argument("--description", default="")
+        p.set_defaults(func=cmd_create, noun=noun)
+        p = command(sub, "rename", f"rename a {noun} (its runs and jobs follow)",
+                    parents=(conn, js, scope))
+        p.add_argument("name")
+        p.add_argument("new_name")
+        p.set_defaults(func=cmd_update, noun=noun)
+        p = command(sub, "describe", f"set a {noun}'s description", parents=(conn, js, scope))
+        p.add_argument("name")
+        p.add_argument("description")
+        p.set_defaults(func=cmd_update, noun=noun, new_name=None)
+        p = command(sub, "delete", f"delete a {noun}; one that holds runs is refused unless "
+                    "--archive (which hides it and keeps the runs)", parents=(conn, js, scope))
+        p.add_argument("name")
+        p.add_argument("--archive", action="store_true")
+        p.set_defaults(func=cmd_delete, noun=noun)
+        if noun == "exp":
+            p = command(sub, "runs", "the experiment's runs, best primary value first",
+                        parents=(conn, js, scope))
+            p.add_argument("name")
+            p.add_argument("--key", metavar="KEY", help="rank by this metric instead")
+            p.set_defaults(func=cmd_exp_runs)
+
+    # -- metric -------------------------------------------------------------------------
+    m = command(subparsers, "metric", "metric definitions: direction and the primary metric",
+                parents=(conn,))
+    ms = m.add_subparsers(dest="metric_command", metavar="METRIC_COMMAND", required=True)
+    mscope = argparse.ArgumentParser(add_help=False)
+    mscope.add_argument("--project", metavar="P", help="for this project (default: global)")
+    mscope.add_argument("--experiment", metavar="E", help="for this experiment of --project")
+    p = command(ms, "set", "define a metric: gpuplane metric set eval/acc --direction max "
+                "--primary [--project P [--experiment E]]", parents=(conn, js, mscope))
+    p.add_argument("key")
+    p.add_argument("--direction", choices=("min", "max"))
+    p.add_argument("--primary", action="store_true", default=None,
+                   help="the metric that decides (one per scope)")
+    p.add_argument("--not-primary", dest="primary", action="store_false")
+    p.add_argument("--description")
+    p.set_defaults(func=cmd_metric_set)
+    p = command(ms, "list", "definitions that apply to a scope (all when none is given)",
+                parents=(conn, js, mscope))
+    p.set_defaults(func=cmd_metric_list)
+    p = command(ms, "unset", "remove a definition", parents=(conn, js, mscope))
+    p.add_argument("key")
+    p.set_defaults(func=cmd_metric_unset)
+
+    # -- import-run ---------------------------------------------------------------------
+    p = command(subparsers, "import-run", "turn TensorBoard event files and checkpoints "
+                "under DIR into an imported run (again: adds nothing)", parents=(conn, js))
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--project", required=True, metavar="P")
+    p.add_argument("--experiment", default="", metavar="E")
+    p.add_argument("--name", metavar="NAME", help="run name (default: DIR's name)")
+    p.set_defaults(func=cmd_import_run)
+
+
+def _value(v):
+    return f"{v:.6g}" if isinstance(v, float) else v
+
+
+# -- ckpt ------------------------------------------------------------------------------------
+
+def cmd_ckpt_list(args):
+    out = make_client(args).checkpoints(run=args.run, project=args.project,
+                                        experiment=args.experiment, limit=args.limit)
+    if args.json:
+        print_json(out)
+        return EXIT_OK
+    print_table([(c["id"], c["run_id"], c["step"], c["epoch"], c["format"], c["size_bytes"],
+                  c["path"]) for c in out["checkpoints"]],
+                ("ID", "RUN", "STEP", "EPOCH", "FORMAT", "BYTES", "PATH"))
+    return EXIT_OK
+
+
+def cmd_ckpt_show(args):
+    c = make_client(args).get_checkpoint(args.checkpoint_id)
+    if args.json:
+        print_json(c)
+        return EXIT_OK
+    print(f"checkpoint {c['id']}  run {c['run_id']}  step {c['step']} ({c['step_source']})"
+          f"  {c['format'] or ''}  {c['path']}")
+    if c["metrics"]:
+        print("metrics at the nearest step:")
+        print_table([(k, v["step"], _value(v["value"])) for k, v in c["metrics"].items()],
+                    ("  KEY", "STEP", "VALUE"))
+    for e in c["evaluations"]:
+        res = ", ".join(f"{k}={_value(v['value'])}" for k, v in e["results"].items())
+        print(f"evaluation {e['id']}: {e['state']} (job {e['job_id']})"
+              + (f": {res}" if res else "")
+              + (f" — {e['message']}" if e["state"] == "FAILED" and e["message"] else ""))
+    return EXIT_OK
+
+
+def cmd_ckpt_evaluate(args):
+    cmd = args.cmd or None
+    if cmd and len(cmd) == 1 and any(ch.isspace() for ch in cmd[0]):
+        cmd = cmd[0]
+    e = make_client(args).queue_evaluation(args.checkpoint_id, command=cmd,
+                                           working_dir=args.working_dir, gpus=args.gpus,
+                                           cpu_only=args.cpu_only)
+    if args.json:
+        print_json(e)
+    else:
+        print(e["id"])
+        note(f"evaluation {e['id']} of checkpoint {e['checkpoint_id']} queued as job "
+             f"{e['job_id']}; follow it with `gpuplane logs -f {e['job_id']}`")
+    return EXIT_OK
+
+
+def cmd_ckpt_recommend(args):
+    if not (args.run or args.project or args.experiment):
+        raise CliError("say where to choose from: --experiment E [--project P], --project P "
+                       "or --run RUN", code=2)
+    r = make_client(args).recommend_checkpoint(run=args.run, project=args.project,
+                                               experiment=args.experiment, key=args.key)
+    if args.json:
+        print_json(r)
+        return EXIT_OK if r["checkpoint"] else EXIT_ERROR
+    c = r["checkpoint"]
+    if c is None:
+        print(r["reason"])
+        return EXIT_ERROR
+    print(f"checkpoint {c['checkpoint_id']}  run {c['run_id']}  step {c['step']}  "
+          f"{r['key']} = {_value(c['value'])} ({c['source']})  {c['path']}")
+    print(r["reason"])
+    for a in r.get("next_actions") or []:
+        print(f"next: {a['why']}" if isinstance(a, dict) else f"next: {a}")
+    return EXIT_OK
+
+
+# -- project / exp -----------------------------------------------------------------------------
+
+def cmd_list(args):
+    client = make_client(args)
+    if args.noun == "project":
+        rows = client.projects(archived=args.archived)["projects"]
+        if args.json:
+            print_json(rows)
+            return EXIT_OK
+        print_table([(p["name"], p["experiments"], p["runs"], "yes" if p["archived"] else "",
+                      ago(p["created_at"]), p["description"]) for p in rows],
+                    ("PROJECT", "EXPERIMENTS", "RUNS", "ARCHIVED", "CREATED", "DESCRIPTION"))
+        return EXIT_OK
+    rows = client.experiments(project=args.project, archived=args.archived)["experiments"]
+    if args.json:
+        print_json(rows)
+        return EXIT_OK
+    print_table([(e["project"], e["name"], e["runs"], "yes" if e["archived"] else "",
+                  ago(e["created_at"]), e["description"]) for e in rows],
+                ("PROJECT", "EXPERIMENT", "RUNS", "ARCHIVED", "CREATED", "DESCRIPTION"))
+    return EXIT_OK
+
+
+def _done(args, obj, text):
+    if args.json:
+        print_json(obj)
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_create(args):
+    client = make_client(args)
+    if args.noun == "project":
+        obj = client.create_project(args.name, args.description)
+    else:
+        obj = client.create_experiment(args.project, args.name, args.description)
+    return _done(args, obj, f"created {args.noun} {args.name}")
+
+
+def cmd_update(args):
+    fields = {}
+    if args.new_name is not None:
+        fields["name"] = args.new_name
+    if getattr(args, "description", None) is not None:
+        fields["description"] = args.description
+    client = make_client(args)
+    if args.noun == "project":
+        obj = client.update_project(args.name, **fields)
+    else:
+        obj = client.update_experiment(args.project, args.name, **fields)
+    return _done(args, obj, f"{args.noun} {obj['name']}")
+
+
+def cmd_delete(args):
+    client = make_client(args)
+    if args.noun == "project":
+        obj = client.delete_project(args.name, archive=args.archive)
+    else:
+        obj = client.delete_experiment(args.project, args.name, archive=args.archive)
+    return _done(args, obj, f"{'deleted' if obj.get('deleted') else 'archived'} {args.noun} "
+                            f"{args.name}")
+
+
+def cmd_exp_runs(args):
+    out = make_client(args).experiment_runs(args.project, args.name, key=args.key)
+    if args.json:
+        print_json(out)
+        return EXIT_OK
+    m = out["metric"]
+    if m.get("key"):
+        note(f"ranked by {m['key']} ({m['direction']}, {m['primary_from']})")
+    print_table([(r["id"], r["name"], r["state"], r["best"] and _value(r["best"]["value"]),
+                  r["best"] and r["best"]["step"]) for r in out["runs"]],
+                ("RUN", "NAME", "STATE", "BEST", "AT STEP"))
+    return EXIT_OK
+
+
+# -- metric ------------------------------------------------------------------------------------
+
+def _scope(args):
+    if args.experiment and not args.project:
+        raise CliError("--experiment needs --project (experiments live in a project)", code=2)
+    return args.project, args.experiment
+
+
+def cmd_metric_set(args):
+    project, experiment = _scope(args)
+    d = make_client(args).put_metric_definition(
+        args.key, project=project, experiment=experiment, direction=args.direction,
+        primary=args.primary, description=args.description)
+    where = (f"experiment {project}/{experiment}" if experiment else
+             f"project {project}" if project else "global")
+    return _done(args, d, f"{d['key']}: {d['effective_direction']}"
+                          f"{', primary' if d['primary'] else ''} ({where})")
+
+
+def cmd_metric_list(args):
+    project, experiment = _scope(args)
+    out = make_client(args).metric_definitions(project=project, experiment=experiment)
+    if args.json:
+        print_json(out)
+        return EXIT_OK
+    print_table([(d["key"], d["scope"], d["project"] or "-", d["experiment"] or "-",
+                  d["direction"] or "(inherit)", "yes" if d["primary"] else "")
+                 for d in out["definitions"]],
+                ("KEY", "SCOPE", "PROJECT", "EXPERIMENT", "DIRECTION", "PRIMARY"))
+    p = out["primary"]
+    if project is not None:
+        note(f"primary here: {p['key']} (from {p['from']})" if p["key"] else
+             "no primary metric here; set one with `gpuplane metric set KEY --primary`")
+    return EXIT_OK
+
+
+def cmd_metric_unset(args):
+    project, experiment = _scope(args)
+    out = make_client(args).delete_metric_definition(args.key, project=project,
+                                                     experiment=experiment)
+    return _done(args, out, f"removed {args.key}")
+
+
+def cmd_import_run(args):
+    from . import importer
+    out = importer.import_dir(make_client(args), args.dir, project=args.project,
+                              experiment=args.experiment, name=args.name, progress=note)
+    return _done(args, out, str(out["run_id"]))
