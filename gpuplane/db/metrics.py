@@ -486,6 +486,7 @@ def series(db, key_id, max_points=1000, from_step=None, to_step=None):
     """
     conn = db.conn
     rolled, top, pruned = _rollup_state(conn, key_id)
+    rolled = _settled_step(conn, key_id, rolled)
     span = _span(conn, key_id, pruned)
     if span is None:
         return 1, []
@@ -526,6 +527,14 @@ def series(db, key_id, max_points=1000, from_step=None, to_step=None):
     else:
         rows = _agg_raw(conn, key_id, w, lo, hi)
     return _merge(rows, w, max_points)
+
+
+def _settled_step(conn, key_id, rolled):
+    """The step up to which the rollups are current. Points that arrived out of order
+    below the rolled step (another writer, a replay) wait in metric_dirty until the
+    rollup thread gets to them; until then their steps are read raw."""
+    row = conn.execute("SELECT min(lo) FROM metric_dirty WHERE key_id = ?", (key_id,)).fetchone()
+    return rolled if row[0] is None else min(rolled, row[0] - 1)
 
 
 def _rows_at(conn, key_id, w, lo, hi, rolled, top):
