@@ -65,6 +65,7 @@ def trend(series_points, d):
 
 # diagnose_run thresholds (docs/mcp.md explains each).
 MIN_POINTS = 10              # fewer points in the judged curve: too early to tell
+MAX_CURVE_POINTS = 2000      # longer curves (raw points) are judged as bucket means
 RECENT = 0.2                 # the recent window: the last 20% of the curve
 PLATEAU_WINDOW = 0.3         # plateaued: the last 30% gained less than ...
 PLATEAU_SHARE = 0.02         # ... 2% of the improvement so far (and no more than noise)
@@ -172,6 +173,8 @@ def curve_facts(points, direction):
     pts = _finite_points(points)
     if not pts:
         return None
+    if len(pts) > MAX_CURVE_POINTS:
+        pts = _bucket_means(pts, MAX_CURVE_POINTS // 2)
     steps = [s for s, _ in pts]
     b = _badness([v for _, v in pts], direction)
     n = len(b)
@@ -199,6 +202,16 @@ def curve_facts(points, direction):
         "late_gain": before_window - recent,       # gain over the last 30%
         "noise": noise(b[-max(3, round(n * RECENT * 2)):]),
     }
+
+
+def _bucket_means(pts, n):
+    """A long raw curve as n bucket means (the rules below are not linear in length)."""
+    size = -(-len(pts) // n)
+    out = []
+    for i in range(0, len(pts), size):
+        chunk = pts[i:i + size]
+        out.append((chunk[0][0], sum(v for _, v in chunk) / len(chunk)))
+    return out
 
 
 def _worsened(f):

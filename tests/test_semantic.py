@@ -314,3 +314,10 @@ def test_config_diff_reads_the_command_line():
     assert d["lr"] == {"1": 0.1, "2": 0.01}
     assert d["fast"] == {"1": True, "2": None}
     assert "epochs" not in d
+
+
+def test_a_long_raw_curve_is_judged_from_bucket_means():
+    vals = decaying(100_000, rate=0.0001, noise=0.01)
+    f = A.curve_facts([[i, v] for i, v in enumerate(vals)], "min")
+    assert f["points"] == 1000 and f["best_step"] > 90_000
+    assert A.diagnose_run(run(), [key("train/loss", vals)])["verdict"] == "healthy"
