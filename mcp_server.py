@@ -401,12 +401,11 @@ class Gpuplane:
         ev = self.call("evaluate checkpoints", self.client.evaluate_checkpoint,
                        checkpoint_id, command)
         acts = []
-        job_id = ev.get("job_id") or (ev.get("job") or {}).get("id")
-        if job_id:
-            acts.append(act("wait_for_job", "wait for the evaluation job", job_id=job_id,
-                            timeout_s=600))
-        acts.append(act("get_best_checkpoint", "once evaluated, the recommendation uses it",
-                        run_id=ev.get("run_id") or "<the run>"))
+        if ev.get("job_id"):
+            acts.append(act("wait_for_job", "wait for the evaluation job; its results attach "
+                            "to the checkpoint", job_id=ev["job_id"], timeout_s=600))
+        acts.append(act("compare_checkpoints", "once evaluated, rankings use the evaluation",
+                        run_ids=["<the checkpoint's run>"]))
         return ControlOut(**ev, next_actions=acts)
 
     def set_primary_metric(self, key, direction, project=None, experiment=None):
@@ -627,13 +626,16 @@ def build_server(gp):
                                                         "(relative to working_dir)")] = None,
         watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
                                                            "(relative to working_dir)")] = None,
+        eval_command: Annotated[list[str] | str | None, Field(
+            description="how to evaluate one of its checkpoints, e.g. ['python', 'eval.py']; "
+                        "evaluate_checkpoint runs it with GPUCTL_CHECKPOINT_PATH set")] = None,
     ) -> ControlOut:
         """Queue a training job (needs a write token). Returns the job; then call
         wait_for_job with its id."""
         return gp.submit_job(command, working_dir, name=name, gpus=gpus, cpu_only=cpu_only,
                              priority=priority, max_attempts=max_attempts, env=env,
                              project=project, experiment=experiment, tb_dir=tb_dir,
-                             watch_dir=watch_dir)
+                             watch_dir=watch_dir, eval_command=eval_command)
 
     @tool
     def cancel_job(job_id: JobId) -> ControlOut:

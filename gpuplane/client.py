@@ -390,7 +390,8 @@ class Client:
                               experiment=None):
         body = {"key": key, "direction": direction, "primary": primary,
                 "project": project, "experiment": experiment}
-        return self.post("metric-definitions", {k: v for k, v in body.items() if v is not None})
+        return self.request("PUT", "metric-definitions",
+                            body={k: v for k, v in body.items() if v is not None})
 
     def list_events(self, run=None, job=None, type=None, severity=None, since=None,
                     after=None, limit=None):
