@@ -450,8 +450,9 @@ class Client:
     def create_project(self, name, description=None):
         return self.post("projects", {"name": name, "description": description or ""})
 
-    def update_project(self, name, **fields):
-        return self.patch(f"projects/{quote(name)}", fields)
+    def update_project(self, project, fields):
+        """fields: name (a new name), description, archived."""
+        return self.patch(f"projects/{quote(project)}", fields)
 
     def delete_project(self, name, archive=False):
         return self.delete(f"projects/{quote(name)}", archive=1 if archive else None)
@@ -463,8 +464,9 @@ class Client:
         return self.post(f"projects/{quote(project)}/experiments",
                          {"name": name, "description": description or ""})
 
-    def update_experiment(self, project, name, **fields):
-        return self.patch(f"projects/{quote(project)}/experiments/{quote(name)}", fields)
+    def update_experiment(self, project, experiment, fields):
+        """fields: name (a new name), description, archived."""
+        return self.patch(f"projects/{quote(project)}/experiments/{quote(experiment)}", fields)
 
     def delete_experiment(self, project, name, archive=False):
         return self.delete(f"projects/{quote(project)}/experiments/{quote(name)}",

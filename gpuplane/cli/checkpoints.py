@@ -241,9 +241,9 @@ def cmd_update(args):
         fields["description"] = args.description
     client = make_client(args)
     if args.noun == "project":
-        obj = client.update_project(args.name, **fields)
+        obj = client.update_project(args.name, fields)
     else:
-        obj = client.update_experiment(args.project, args.name, **fields)
+        obj = client.update_experiment(args.project, args.name, fields)
     return _done(args, obj, f"{args.noun} {obj['name']}")
 
 
