@@ -70,6 +70,9 @@ def create_app(home=None, start_threads=True, **overrides):
     static_file.required_scope = "public"
 
     threads = [scheduler, rollup]
+    if float(cfg.get("backup_interval_h") or 0) > 0:
+        from .backups import BackupSchedule
+        threads.append(BackupSchedule(home, cfg["backup_interval_h"], cfg["backup_keep"]))
     if start_threads:
         for t in threads:
             t.start()

@@ -27,6 +27,8 @@ SERVER_DEFAULTS = {
     "cpu_slots_default": 4,
     "log_keep_lines": 2000,
     "max_body_mb": 16,
+    "backup_interval_h": 0,    # scheduled `gpuplane backup` every N hours; 0: off
+    "backup_keep": 7,          # backups kept in <home>/backups/
 }
 
 

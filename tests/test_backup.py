@@ -124,3 +124,25 @@ def test_cli_backup_list_and_restore_refused_while_the_server_runs(live_server):
     assert "restored" in r.stdout and "kept as" in r.stdout
     r = _cli("restore", str(live_server.home / "nope.db"), home=live_server.home)
     assert r.returncode == 1 and "does not exist" in r.stderr and "nothing was changed" in r.stderr
+
+
+def test_the_schedule_takes_a_backup_when_due_and_not_before(live_server):
+    from gpuplane.backups import BackupSchedule
+    sched = BackupSchedule(live_server.home, interval_h=1, keep=2)
+    assert sched.due == 0.0                         # no backup yet: due at once
+    first = sched.tick(now=1000.0)
+    assert first and backup.check(first["path"])
+    assert sched.tick(now=1000.0 + 3599) is None    # not due again within the hour
+    assert sched.tick(now=1000.0 + 3600)
+    assert sched.tick(now=1000.0 + 7200)
+    assert len(backup.list_backups(live_server.home)) == 2     # keep = 2
+    # A restarted server counts from the newest backup on disk, not from zero.
+    again = BackupSchedule(live_server.home, interval_h=1, keep=2)
+    assert again.due == backup.list_backups(live_server.home)[-1]["mtime"] + 3600
+    off = BackupSchedule(live_server.home, interval_h=0, keep=2)
+    assert off.tick(now=10**12) is None
+
+
+def test_a_server_with_a_schedule_backs_up_at_start(server_factory):
+    server = server_factory({"backup_interval_h": 24, "backup_keep": 3})
+    wait_for(lambda: backup.list_backups(server.home), 30, what="the first scheduled backup")
