@@ -2713,6 +2713,70 @@ def _not_dumpable():
         pass
 
 
+# ---------------------------------------------------------------------------------------
+# backup of an agent host: `gpuplane-agent backup FILE` (docs/operations.md)
+# ---------------------------------------------------------------------------------------
+
+class _Prefix:
+    """The first `size` bytes of a file that may still grow (a log being written)."""
+
+    def __init__(self, f, size):
+        self.f, self.left = f, size
+
+    def read(self, n=-1):
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+
+def backup_agent(home, out_path):
+    """Archive an agent home (agent.toml, the outbox spool and state, every job's files)
+    into a gzipped tar, consistently while jobs run: logs are append-only, so each is
+    taken up to its size when it is opened; every other state file is replaced whole
+    (atomic rename), so an open one is one version. The spool is read before state.json:
+    a compaction in between leaves a newer snapshot over an older spool, which folds to
+    the same state. -> (files, bytes)."""
+    import tarfile
+    home = os.path.abspath(home)
+    agent_dir = os.path.join(home, "agent")
+    if not os.path.isdir(agent_dir):
+        raise ConfigError(f"no agent state in {home} (no agent/ directory); pass the "
+                          "agent's --home")
+    order = [os.path.join(home, "agent.toml"), os.path.join(agent_dir, "spool"),
+             os.path.join(agent_dir, "state.json"), agent_dir]
+    seen, files, total = set(), 0, 0
+    tmp = f"{out_path}.partial"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for top in order:
+            walk = [(top, [], [])] if os.path.isfile(top) else os.walk(top)
+            for root, dirs, names in walk:
+                dirs.sort()
+                paths = [root] if os.path.isfile(root) else \
+                    [os.path.join(root, n) for n in sorted(names)]
+                for path in paths:
+                    if path in seen or path.endswith((".partial", ".tmp")) or \
+                            ".tmp" in os.path.basename(path):
+                        continue
+                    seen.add(path)
+                    try:
+                        f = open(path, "rb")
+                    except (FileNotFoundError, IsADirectoryError):
+                        continue          # replaced or removed meanwhile
+                    with f:
+                        st = os.fstat(f.fileno())
+                        info = tarfile.TarInfo(os.path.relpath(path, home))
+                        info.size, info.mtime, info.mode = st.st_size, st.st_mtime, 0o600
+                        tar.addfile(info, _Prefix(f, st.st_size))
+                    files += 1
+                    total += st.st_size
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, out_path)
+    return files, total
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_shim"]:
@@ -2720,6 +2784,8 @@ def main(argv=None):
             print("usage: agent.py _shim DIR", file=sys.stderr)
             return 2
         return shim_main(argv[1])
+    if argv[:1] == ["backup"]:
+        return _backup_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -2753,6 +2819,25 @@ def main(argv=None):
             pass
     log.info("stopping (signal %d); running jobs keep running", stopping[0])
     agent.stop()
+    return 0
+
+
+def _backup_main(argv):
+    p = argparse.ArgumentParser(
+        prog="gpuplane-agent backup",
+        description="Archive this host's agent state (agent.toml, outbox spool and state, "
+                    "every job's log and files) while jobs run. Restore: stop the agent, "
+                    "`tar -xzf FILE -C HOME`, start it.")
+    p.add_argument("file", metavar="FILE", help="the archive to write (.tar.gz)")
+    p.add_argument("--home", help="agent home (default: $GPUCTL_HOME or ~/.gpuctl)")
+    args = p.parse_args(argv)
+    home = os.path.abspath(os.path.expanduser(args.home or default_home()))
+    try:
+        files, total = backup_agent(home, args.file)
+    except (ConfigError, OSError) as e:
+        print(f"gpuplane-agent: backup failed: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.file}: {files} files, {total / 1e6:.1f} MB from {home}")
     return 0
 
 

@@ -146,3 +146,45 @@ def test_the_schedule_takes_a_backup_when_due_and_not_before(live_server):
 def test_a_server_with_a_schedule_backs_up_at_start(server_factory):
     server = server_factory({"backup_interval_h": 24, "backup_keep": 3})
     wait_for(lambda: backup.list_backups(server.home), 30, what="the first scheduled backup")
+
+
+def test_backup_agent_archives_a_running_host_and_restores(live_server, agent, tmp_path):
+    import shutil
+    import tarfile
+    api = live_server.api
+    gate = tmp_path / "gate"
+    job = api.submit(["/bin/sh", "-c", f"i=0; while [ ! -e {gate} ]; do echo line $i; "
+                      "i=$((i+1)); sleep 0.01; done; echo last"], tmp_path, gpus=1)
+    wait_for(lambda: len(api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]) >= 20, 60,
+             what="log lines")
+    out = tmp_path / "agent.tar.gz"
+    r = _cli("backup-agent", "-o", str(out), home=agent.home)
+    assert r.returncode == 0, r.stderr
+    assert "files" in r.stdout and oct(out.stat().st_mode & 0o777) == "0o600"
+    log_path = f"agent/jobs/{job['id']}/1/log"
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        archived = tar.extractfile(log_path).read()
+    assert {"agent/state.json", "agent/spool/outbox.jsonl", log_path} <= set(names)
+    assert names.index("agent/spool/outbox.jsonl") < names.index("agent/state.json")
+    # taken while the job was writing: a prefix of the log as it is now
+    live = (agent.home / log_path).read_bytes()
+    assert archived and live.startswith(archived)
+    gate.touch()
+    api.wait_job(job["id"])
+    agent.stop()
+    # The host loses its agent home; the archive puts it back and the agent carries on.
+    shutil.rmtree(agent.home / "agent")
+    with tarfile.open(out) as tar:
+        tar.extractall(agent.home, filter="data")
+    agent.start()
+    texts = wait_for(lambda: (ls := [l["text"] for l in api.get(
+        f"/api/v1/jobs/{job['id']}/logs?tail=5000")["lines"]]) and ls[-1] == "last" and ls,
+        60, what="the log after the restore")
+    assert len(texts) == len(set(texts))          # nothing doubled
+    assert api.job(job["id"])["state"] == "SUCCEEDED"
+
+
+def test_backup_agent_of_a_home_without_an_agent_says_so(tmp_path):
+    r = _cli("backup-agent", "-o", str(tmp_path / "x.tar.gz"), home=tmp_path / "empty")
+    assert r.returncode == 1 and "no agent state" in r.stderr

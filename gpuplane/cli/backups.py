@@ -21,6 +21,13 @@ def add_parser(subparsers):
     p.add_argument("file", metavar="FILE", help="a backup, e.g. from `gpuplane backup --list`")
     p.set_defaults(func=cmd_restore)
 
+    p = command(subparsers, "backup-agent",
+                "archive this host's agent state (job logs, outbox spool, runtime state) "
+                "while jobs run", parents=(home,))
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="the archive (default: <home>/backups/agent-<host>-<time>.tar.gz)")
+    p.set_defaults(func=cmd_backup_agent)
+
 
 def _home(args):
     from gpuplane import config
@@ -93,3 +100,22 @@ def _server_running(home):
             return f"{host}:{cfg['port']}"
     except OSError:
         return None
+
+
+def cmd_backup_agent(args):
+    # The agent's files are the agent's business: its own code archives them (the agent
+    # module ships in this package, and runs alone on hosts without it as agent.py).
+    import datetime
+    import socket
+    import subprocess
+    import sys
+    home = _home(args)
+    out = args.output
+    if out is None:
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        (home / "backups").mkdir(mode=0o700, parents=True, exist_ok=True)
+        out = str(home / "backups" / f"agent-{socket.gethostname()}-{stamp}.tar.gz")
+    r = subprocess.run([sys.executable, "-m", "agent", "backup", out, "--home", str(home)])
+    if r.returncode != 0:
+        raise CliError("the agent backup failed (its message is above)")
+    return EXIT_OK
