@@ -37,6 +37,7 @@ LINE_MAX = 16 * 1024              # longer log lines are cut here
 OOM_TAIL_BYTES = 64 * 1024
 BATCH_MAX_RECORDS = 500
 BATCH_MAX_BYTES = 1024 * 1024
+COMPACT_BYTES = 8 * 1024 * 1024     # acked bytes at the spool's head worth a rewrite
 ACK_TIMEOUT_S = 15.0
 KILL_GRACE_S = 5.0
 LAUNCH_GRACE_S = 10.0             # a half-made attempt dir younger than this may still launch
@@ -470,9 +471,16 @@ class Outbox:
             del self._cuts[:n]
             self._dropped_lines += n
             self.acked = seq
-            # rewriting costs the pending records, so do it when that is cheap or amortised
-            if not self._offs or self._dropped_lines >= max(self.compact_min, len(self._offs)):
+            # Rewriting costs the pending bytes: do it when the acked head of the file is
+            # at least as big (amortised), so the file stays under twice what is pending.
+            if not self._offs:
                 self._rewrite()
+            else:
+                head = self._offs[0]
+                tail = self._spool.tell() - head
+                if head >= tail and (self._dropped_lines >= self.compact_min
+                                     or head >= COMPACT_BYTES):
+                    self._rewrite()
         for fn in self.ack_listeners:
             fn()
 
@@ -1169,21 +1177,18 @@ CKPT_MAX_ENTRIES = 20_000     # directory entries looked at per scan
 CKPT_DIR_MAX_ENTRIES = 2_000  # entries summed for one checkpoint directory
 
 _CKPT_HF_DIR = re.compile(r"^checkpoint-(\d+)$")
-_CKPT_FORMATS = ((".safetensors", "safetensors"), (".ckpt", "lightning"),
-                 (".pth", "pt"), (".pt", "pt"), (".keras", "keras"), (".h5", "keras"))
-_CKPT_PARTIAL = (".tmp", ".partial", ".lock", ".incomplete", ".part")
+_CKPT_FORMATS = {"safetensors": "safetensors", "ckpt": "lightning", "pth": "pt", "pt": "pt",
+                 "keras": "keras", "h5": "keras"}
 
 
 def checkpoint_format(name, is_dir):
-    """-> the format of a checkpoint named `name`, or None when it is not one."""
-    if name.startswith(".") or name.endswith(_CKPT_PARTIAL):
+    """-> the format of a checkpoint named `name`, or None when it is not one (names
+    ending in .tmp, .partial, .lock, ... have another last extension)."""
+    if name.startswith("."):
         return None
     if is_dir:
         return "hf" if _CKPT_HF_DIR.match(name) else None
-    for ext, fmt in _CKPT_FORMATS:
-        if name.endswith(ext):
-            return fmt
-    return None
+    return _CKPT_FORMATS.get(name.rpartition(".")[2])
 
 
 def checkpoint_step(name):
@@ -1193,11 +1198,9 @@ def checkpoint_step(name):
     `ckpt-1500.pt`, `epoch_3.pt`. Numbers that belong to something else (`val_loss=0.12`)
     are not a step.
     """
-    stem = name
-    for ext, _fmt in _CKPT_FORMATS:
-        if stem.endswith(ext):
-            stem = stem[:-len(ext)]
-            break
+    stem, _dot, ext = name.rpartition(".")
+    if ext not in _CKPT_FORMATS:
+        stem = name
     m = _CKPT_HF_DIR.match(stem)
     if m:
         return int(m.group(1)), None
@@ -1206,7 +1209,7 @@ def checkpoint_step(name):
     step = int(s.group(1)) if s else None
     epoch = float(e.group(1)) if e else None
     if step is None and epoch is None and "=" not in stem:
-        m = re.search(r"[-_.](\d+)$", stem)       # ckpt-1500, model_0003
+        m = re.search(r"[-_](\d+)$", stem)       # ckpt-1500, model_0003
         step = int(m.group(1)) if m else None
     return step, epoch
 
@@ -1221,6 +1224,7 @@ class CheckpointHook:
         self.seen = {}        # path -> (signature, format, size) at the last scan
         self.next_scan = 0.0
         self.skipped = None   # why the watch dir is not scanned (logged once per reason)
+        self.truncated = False
 
     def load(self, done):
         self.done = dict(done)
@@ -1282,6 +1286,7 @@ class CheckpointHook:
         """-> {absolute path: (signature, format, size)} of the checkpoints under root,
         bounded in depth and entries."""
         found, budget = {}, [CKPT_MAX_ENTRIES]
+        formats = _CKPT_FORMATS
         stack = [(root, 0)]
         while stack and budget[0] > 0:
             d, depth = stack.pop()
@@ -1293,25 +1298,32 @@ class CheckpointHook:
                 for e in it:
                     budget[0] -= 1
                     if budget[0] < 0:
-                        log.warning("job %s attempt %s: more than %d entries under %s; "
-                                    "checkpoint scan stopped there", self.att.job_id,
-                                    self.att.attempt, CKPT_MAX_ENTRIES, root)
+                        if not self.truncated:
+                            log.warning("job %s attempt %s: more than %d entries under %s; "
+                                        "checkpoint scans stop there", self.att.job_id,
+                                        self.att.attempt, CKPT_MAX_ENTRIES, root)
+                            self.truncated = True
                         break
+                    name = e.name
                     try:
                         is_dir = e.is_dir(follow_symlinks=False)
-                        fmt = checkpoint_format(e.name, is_dir)
+                        if not is_dir:
+                            fmt = formats.get(name.rpartition(".")[2])
+                            if fmt and name[0] != "." and e.is_file(follow_symlinks=False):
+                                st = e.stat(follow_symlinks=False)
+                                found[e.path] = (f"{st.st_size}-{st.st_mtime_ns}", fmt,
+                                                 st.st_size)
+                            continue
+                        fmt = checkpoint_format(name, True)
                         if fmt == "hf":
                             sig, size = self._dir_signature(e.path)
                             found[e.path] = (sig, fmt, size)
-                        elif is_dir:
+                        else:
                             # HF writes tmp-checkpoint-N/ and renames it when complete
                             if depth < CKPT_MAX_DEPTH and not e.name.startswith(".") \
                                     and e.name not in _TB_SKIP_DIRS \
                                     and not e.name.startswith("tmp-checkpoint-"):
                                 stack.append((e.path, depth + 1))
-                        elif fmt and e.is_file(follow_symlinks=False):
-                            st = e.stat(follow_symlinks=False)
-                            found[e.path] = (f"{st.st_size}-{st.st_mtime_ns}", fmt, st.st_size)
                     except OSError:
                         continue
         return found
