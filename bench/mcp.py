@@ -55,8 +55,8 @@ def fill(db, n):
                for s in range(every, n + 1, every)]
         metrics.ingest(c, run_id, ["val/loss"], val)
         for s in range(every, n + 1, every):
-            checkpoints.add(c, run_id, f"/ckpt/step-{s}.pt", s, None, 1 << 20,
-                            checkpoints.default_fingerprint(s, 1 << 20), ts)
+            checkpoints.register(c, run_id, f"/ckpt/step-{s}.pt", step=s, size_bytes=1 << 20,
+                                 ts=ts)
     metrics.roll_up(db)
     return run_id
 

@@ -258,3 +258,33 @@ def test_mcp_inspector_cli(live_server, tmp_path):
     d = out["semantic"]
     assert d["isError"] is False
     assert d["structuredContent"]["verdict"] == "healthy", d
+
+
+def test_streamable_http(tmp_path):
+    """--http PORT serves the same tools at /mcp (against a server that is down)."""
+    import socket
+    import subprocess
+    from mcp import Client
+    port = free_port()
+    env = mcp_env(f"http://127.0.0.1:{free_port()}", "nobody", tmp_path)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "mcp_server.py"), "--http", str(port)],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "mcp-http.log", "wb"))
+    try:
+        def listening():
+            assert proc.poll() is None, (tmp_path / "mcp-http.log").read_text()
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        wait_for(listening, 60, what="gpuplane-mcp --http to listen")
+
+        async def main():
+            async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+                names = {t.name for t in (await client.list_tools()).tools}
+                r = await client.call_tool("get_status", {})
+                return names, r
+        names, r = asyncio.run(main())
+        assert len(names) == 22
+        assert r.is_error and "not reachable" in r.content[0].text
+    finally:
+        proc.terminate()
+        proc.wait(10)
