@@ -61,10 +61,28 @@ def err(res):
     return data.split(": ", 1)[1] if data.startswith("Error executing tool") else data
 
 
-def test_tools_are_listed_with_schemas_and_a_down_server_is_a_sentence(tmp_path):
+def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
+    """`--http PORT` serves the tools at /mcp; with the server down it starts all the same
+    and every tool says so. (The stdio transport is the acceptance test's.)"""
+    import socket
+    import subprocess
+    from mcp import Client
+    port = free_port()
     env = mcp_env(f"http://127.0.0.1:{free_port()}", "nobody", tmp_path)
+    log = tmp_path / "mcp-http.log"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "mcp_server.py"), "--http", str(port)],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
 
-    async def body(call, client):
+    def listening():
+        assert proc.poll() is None, log.read_text()
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+
+    async def body(client):
+        async def call(tool, **args):
+            r = await client.call_tool(tool, args)
+            return r.is_error, " ".join(getattr(c, "text", "") for c in r.content)
+
         tools = (await client.list_tools()).tools
         names = {t.name for t in tools}
         assert OBSERVE | CONTROL | SEMANTIC | {"wait_for_job"} == names
@@ -76,13 +94,22 @@ def test_tools_are_listed_with_schemas_and_a_down_server_is_a_sentence(tmp_path)
         assert "absolute" in submit.input_schema["properties"]["working_dir"]["description"]
         msg = err(await call("get_status"))
         assert "not reachable" in msg and "gpuplane up" in msg
-        msg = err(await call("diagnose_run", run_id=1))
-        assert "not reachable" in msg
+        assert "not reachable" in err(await call("diagnose_run", run_id=1))
         # Bad arguments are tool errors too, and the process lives on.
-        err(await call("get_job", job_id="seven"))
+        assert "job_id" in err(await call("get_job", job_id="seven"))
         err(await call("compare_runs", run_ids=[1]))
         assert "not reachable" in err(await call("whoami"))
-    session(env, body)
+
+    async def main():
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            await body(client)
+    try:
+        wait_for(listening, 60, what="gpuplane-mcp --http to listen")
+        asyncio.run(main())
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_bad_token_and_scopes(live_server, tmp_path):
@@ -259,32 +286,3 @@ def test_mcp_inspector_cli(live_server, tmp_path):
     assert d["isError"] is False
     assert d["structuredContent"]["verdict"] == "healthy", d
 
-
-def test_streamable_http(tmp_path):
-    """--http PORT serves the same tools at /mcp (against a server that is down)."""
-    import socket
-    import subprocess
-    from mcp import Client
-    port = free_port()
-    env = mcp_env(f"http://127.0.0.1:{free_port()}", "nobody", tmp_path)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "mcp_server.py"), "--http", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "mcp-http.log", "wb"))
-    try:
-        def listening():
-            assert proc.poll() is None, (tmp_path / "mcp-http.log").read_text()
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return True
-        wait_for(listening, 60, what="gpuplane-mcp --http to listen")
-
-        async def main():
-            async with Client(f"http://127.0.0.1:{port}/mcp") as client:
-                names = {t.name for t in (await client.list_tools()).tools}
-                r = await client.call_tool("get_status", {})
-                return names, r
-        names, r = asyncio.run(main())
-        assert len(names) == 22
-        assert r.is_error and "not reachable" in r.content[0].text
-    finally:
-        proc.terminate()
-        proc.wait(10)
