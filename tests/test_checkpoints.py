@@ -267,6 +267,8 @@ def test_run_config_and_tags(api):
     run = new_run(api, config={"lr": 0.1})
     out = api.call("PATCH", f"/runs/{run}", {"config": {"batch": 32}, "tags": ["baseline"]})
     assert out["config"] == {"lr": 0.1, "batch": 32} and out["tags"] == ["baseline"]
+    out = api.post(f"/runs/{run}/config", {"config": {"lr": 0.2}}, expect=200)  # the SDK's
+    assert out["config"] == {"lr": 0.2, "batch": 32}
     api.error("PATCH", f"/runs/{run}", {"tags": [1]})
 
 

@@ -9,6 +9,7 @@
   GET              /experiments?project=
   GET/PUT/DELETE   /metric-definitions             ?project=&experiment= / {key, ...}
   PATCH            /runs/<id>                      {config (merged), tags, name}
+  POST             /runs/<id>/config               the same (the SDK's attached run.init)
 (GET /runs:compare is the semantic layer's, api/semantic.py; with ?key= it carries the
 aligned overlay series of recommend.overlay.)
 """
@@ -266,6 +267,7 @@ def delete_definition():
 # -- runs: metadata and comparison --------------------------------------------------------
 
 @bp.patch("/runs/<int:run_id>")
+@bp.post("/runs/<int:run_id>/config")      # the SDK's path (it only POSTs)
 @requires("run")
 def update_run(run_id):
     if runs.get(current_db(), run_id) is None:

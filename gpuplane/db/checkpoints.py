@@ -70,7 +70,9 @@ def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
             (run_id, path, step, step_source, epoch, size_bytes, fingerprint, fmt, source,
              ts, ts))
         return cur.lastrowid, True
-    if STEP_RANK[step_source] > STEP_RANK.get(old["step_source"], 0):
+    # the same or a surer source replaces the step (a rewritten last.ckpt moves on); a
+    # step parsed from the name never replaces one the SDK gave
+    if STEP_RANK[step_source] >= STEP_RANK.get(old["step_source"], 0):
         conn.execute("UPDATE checkpoints SET step = ?, step_source = ? WHERE id = ?",
                      (step, step_source, old["id"]))
     conn.execute(

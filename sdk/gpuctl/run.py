@@ -72,7 +72,9 @@ def init(project="default", experiment="", name="", config=None, server=None, to
     The mode is chosen in this order:
 
     1. *attached*: ``GPUCTL_RUN_ID`` is set (the process is a GPUPlane job). The run is
-       the job's; ``GPUCTL_SERVER`` and ``GPUCTL_TOKEN`` say where to send. Returns that id.
+       the job's; ``GPUCTL_SERVER`` and ``GPUCTL_TOKEN`` say where to send. ``config`` is
+       merged into the run's config on the server (beside the job's command line).
+       Returns that id.
     2. *registered*: a server and a token are given here or in ``GPUCTL_SERVER`` /
        ``GPUCTL_TOKEN``. A run with ``source=sdk`` is created with ``POST /api/v1/runs``
        and its id returned.
@@ -118,6 +120,10 @@ def init(project="default", experiment="", name="", config=None, server=None, to
             r.sender = _sender.Sender(r)
             r.state = "running"
             r.sender.start()
+            if r.mode == "attached" and config:
+                # a job's run exists already: its hyperparameters join the config it has
+                # (the command line) on the server
+                _enqueue_control("config", json.dumps({"config": config}, default=str))
             return None if r.mode == "local" else r.run_id
     except Exception:
         _error()

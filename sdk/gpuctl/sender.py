@@ -38,7 +38,7 @@ OK, RETRY, DROP, DENIED = "ok", "retry", "drop", "denied"
 _SEQ = operator.itemgetter(0)
 
 _PATHS = {"metrics": "metrics", "checkpoint": "checkpoints", "event": "events",
-          "finish": "finish"}
+          "finish": "finish", "config": "config"}
 
 
 def _session(token, server):
