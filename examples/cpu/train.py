@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--step-delay", type=float, default=0.01,
                     help="seconds per step, so the curves can be watched live")
     ap.add_argument("--logdir", default="tb")
+    ap.add_argument("--checkpoint-dir", default="checkpoints",
+                    help="where epoch_N.json goes (one directory per run of a sweep)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -64,7 +66,7 @@ def main():
         run.init(project="examples", experiment="cpu-logreg", name="train",
                  config=vars(args))
     tb = TBWriter(args.logdir) if TBWriter else None
-    os.makedirs("checkpoints", exist_ok=True)
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
     step = 0
     for epoch in range(args.epochs):
         for _ in range(args.steps_per_epoch):
@@ -96,7 +98,7 @@ def main():
             tb.add_scalar("val/loss", val_loss, step=step)
             tb.add_scalar("val/acc", val_acc, step=step)
             tb.flush()
-        path = os.path.join("checkpoints", f"epoch_{epoch}.json")
+        path = os.path.join(args.checkpoint_dir, f"epoch_{epoch}.json")
         with open(path, "w") as f:
             json.dump({"w": w, "b": b, "epoch": epoch, "step": step}, f)
         if run:

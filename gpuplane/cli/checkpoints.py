@@ -265,9 +265,16 @@ def cmd_exp_runs(args):
     m = out["metric"]
     if m.get("key"):
         note(f"ranked by {m['key']} ({m['direction']}, {m['primary_from']})")
-    print_table([(r["id"], r["name"], r["state"], r["best"] and _value(r["best"]["value"]),
-                  r["best"] and r["best"]["step"]) for r in out["runs"]],
-                ("RUN", "NAME", "STATE", "BEST", "AT STEP"))
+    rows = []
+    for r in out["runs"]:
+        ev, tr = r.get("best_evaluated"), r.get("best")
+        if ev:
+            rows.append((r["id"], r["name"], r["state"], _value(ev["value"]), ev["step"],
+                         f"evaluation of checkpoint {ev['checkpoint_id']}"))
+        else:
+            rows.append((r["id"], r["name"], r["state"], tr and _value(tr["value"]),
+                         tr and tr["step"], tr and "training"))
+    print_table(rows, ("RUN", "NAME", "STATE", "BEST", "AT STEP", "FROM"))
     return EXIT_OK
 
 
