@@ -1365,6 +1365,115 @@ LOG_READ_BYTES = 4 * 1024 * 1024
 BACKLOG_MAX_BYTES = 32 * 1024 * 1024   # per attempt: unacked log + metric bytes in the spool
 
 
+class AttemptDirs:
+    """agent/jobs/<job>/<attempt>/ on disk: which attempts this host knows, which have
+    their final record out, and removing the files of old ones."""
+
+    def __init__(self, jobs_dir):
+        self.root = jobs_dir
+        make_private_dirs(jobs_dir)
+
+    def path(self, job_id, attempt):
+        return os.path.join(self.root, str(int(job_id)), str(int(attempt)))
+
+    def known(self):
+        out = []
+        for job in os.listdir(self.root):
+            jdir = os.path.join(self.root, job)
+            if not job.isdigit() or not os.path.isdir(jdir):
+                continue
+            for att in os.listdir(jdir):
+                if att.isdigit() and os.path.isdir(os.path.join(jdir, att)):
+                    out.append((int(job), int(att)))
+        return sorted(out)
+
+    def reported(self, job_id, attempt):
+        return os.path.exists(os.path.join(self.path(job_id, attempt), "reported"))
+
+    def remove_old(self, retention_days, skip=(), now=None):
+        """Delete the files of attempts reported more than `retention_days` ago; the
+        directory stays with its `reported` record so a repeated start is still refused."""
+        if not retention_days or retention_days <= 0:
+            return 0
+        cutoff = (now or time.time()) - retention_days * 86400
+        removed = 0
+        for job_id, attempt in self.known():
+            path = self.path(job_id, attempt)
+            if f"{job_id}/{attempt}" in skip:
+                continue
+            try:
+                if os.stat(os.path.join(path, "reported")).st_mtime > cutoff:
+                    continue
+                names = [n for n in os.listdir(path) if n != "reported"]
+            except OSError:
+                continue
+            for name in names:
+                p = os.path.join(path, name)
+                try:
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p)
+                    else:
+                        os.unlink(p)
+                except OSError as e:
+                    log.warning("retention: cannot remove %s: %s", p, e)
+            if names:
+                removed += 1
+                log.info("retention: removed the files of job %s attempt %s", job_id, attempt)
+        return removed
+
+
+class Reporter:
+    """The records an attempt puts in the outbox, and the cap on how many of its log and
+    metric bytes may wait there unacked (the server may be away; the job's own files keep
+    the rest)."""
+
+    def __init__(self, outbox, backlog_max_bytes):
+        self.outbox = outbox
+        self.backlog_max_bytes = backlog_max_bytes
+        self.held_back = False            # an attempt waits for acks (its backlog is full)
+
+    def emitter(self, att):
+        def emit(kind, fields, state, nbytes):
+            seq = self.outbox.append(kind, fields, att=state)
+            if nbytes:
+                att.inflight.append((seq, nbytes))
+        return emit
+
+    def room(self, att):
+        """Bytes this attempt may still read into the spool."""
+        room = self.backlog_max_bytes - att.backlog(self.outbox.acked)
+        if room <= 0:
+            self.held_back = True
+        return min(LOG_READ_BYTES, max(room, 0))
+
+    def running(self, att):
+        info = att.pid()
+        self.outbox.append("job", {
+            "job_id": att.job_id, "attempt": att.attempt, "state": "RUNNING",
+            "pid": info.get("pid"), "exit_code": None, "signal": None,
+            "failure_kind": None, "message": None},
+            att={"key": att.key, "running": True})
+        att.running_reported = True
+
+    def final(self, att, kind, message, exit_info):
+        rec = {"job_id": att.job_id, "attempt": att.attempt, "state": "EXITED",
+               "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
+               "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
+        self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
+                                                  "record": rec})
+        write_json_atomic(att.file("reported"), rec)
+        att.final = True
+        return rec
+
+    def again(self, path):
+        """A start or cancel for an attempt that has ended: say how it ended once more."""
+        rec = read_json(os.path.join(path, "reported"))
+        if rec:
+            fields = {k: rec[k] for k in ("job_id", "attempt", "state", "pid", "exit_code",
+                                          "signal", "failure_kind", "message") if k in rec}
+            self.outbox.append("job", fields)
+
+
 class Runner(Worker):
     name = "gpuplane-agent-runner"
 
@@ -1375,13 +1484,13 @@ class Runner(Worker):
         super().__init__()
         self.docker = docker or Docker(socket.gethostname())
         self.jobs_dir = os.path.join(agent_dir, "jobs")
-        make_private_dirs(self.jobs_dir)
+        self.dirs = AttemptDirs(self.jobs_dir)
         self.outbox = outbox
+        self.reporter = Reporter(outbox, backlog_max_bytes)
         self.server_url = server_url
         self.hook_interval_s = hook_interval_s
         self.ckpt_interval_s = ckpt_interval_s
         self.secrets = tuple(s for s in secrets if s)
-        self.backlog_max_bytes = backlog_max_bytes
         self.retention_days = retention_days
         self._wake = threading.Event()
         self.launcher = Launcher(shim_argv or shim_command(), kill_grace_s, self._wake.set,
@@ -1392,7 +1501,6 @@ class Runner(Worker):
         self.active = {}                   # key -> Attempt (the runner thread's own)
         self._next_retention = 0.0
         self._in_commands = False
-        self._held_back = False            # an attempt waits for acks (its backlog is full)
         outbox.ack_listeners.append(self._on_ack)
         self.adopt()
 
@@ -1402,22 +1510,11 @@ class Runner(Worker):
 
     # -- start-up ------------------------------------------------------------------------
 
-    def known(self):
-        out = []
-        for job in os.listdir(self.jobs_dir):
-            jdir = os.path.join(self.jobs_dir, job)
-            if not job.isdigit() or not os.path.isdir(jdir):
-                continue
-            for att in os.listdir(jdir):
-                if att.isdigit() and os.path.isdir(os.path.join(jdir, att)):
-                    out.append((int(job), int(att)))
-        return sorted(out)
-
     def adopt(self):
         """Re-adopt every attempt whose final state was never put in the outbox."""
         for job_id, attempt in self.known():
             key = f"{job_id}/{attempt}"
-            path = os.path.join(self.jobs_dir, str(job_id), str(attempt))
+            path = self.dirs.path(job_id, attempt)
             st = self.outbox.attempt_state(key)
             if os.path.exists(os.path.join(path, "reported")):
                 self.outbox.forget(key)
@@ -1444,6 +1541,21 @@ class Runner(Worker):
                 log.warning("removing container %s: no running attempt of this node owns it",
                             name)
                 self.docker.remove(name)
+
+    def known(self):
+        return self.dirs.known()
+
+    def remove_old_attempts(self, now=None):
+        return self.dirs.remove_old(self.retention_days, skip=set(self.active), now=now)
+
+    def _rereport(self, key, path):
+        att = self.active.get(key)
+        if att is not None:
+            if att.running_reported and att.pid():
+                self.reporter.running(att)
+            return
+        self.reporter.again(path)
+        log.info("start for known attempt %s: re-reported its state", key)
 
     def _new_attempt(self, job_id, attempt, path):
         att = Attempt(job_id, attempt, path)
@@ -1596,24 +1708,11 @@ class Runner(Worker):
         if att.final:
             del self.active[key]
 
-    def _rereport(self, key, path):
-        att = self.active.get(key)
-        if att is not None:
-            if att.running_reported and att.pid():
-                self._report_running(att)
-            return
-        rec = read_json(os.path.join(path, "reported"))
-        if rec:
-            fields = {k: rec[k] for k in ("job_id", "attempt", "state", "pid", "exit_code",
-                                          "signal", "failure_kind", "message") if k in rec}
-            self.outbox.append("job", fields)
-        log.info("start for known attempt %s: re-reported its state", key)
-
     def _cancel(self, msg):
         key = f"{int(msg['job_id'])}/{int(msg['attempt'])}"
         att = self.active.get(key)
         if att is None:
-            path = os.path.join(self.jobs_dir, str(int(msg["job_id"])), str(int(msg["attempt"])))
+            path = self.dirs.path(msg["job_id"], msg["attempt"])
             if os.path.isdir(path):
                 self._rereport(key, path)
             return
@@ -1624,29 +1723,22 @@ class Runner(Worker):
         if att.final:
             del self.active[key]
 
-    def _emitter(self, att):
-        def emit(kind, fields, state, nbytes):
-            seq = self.outbox.append(kind, fields, att=state)
-            if nbytes:
-                att.inflight.append((seq, nbytes))
-        return emit
-
     def _tick_attempt(self, att):
         """Look at one attempt; -> monotonic time it wants looking at again."""
         now = time.monotonic()
         if att.draining or att.final:   # a cancel arriving while its backlog drains
             return now + 0.1
-        emit = self._emitter(att)
+        emit = self.reporter.emitter(att)
         if att.pid() and not att.running_reported:
-            self._report_running(att)
-        room = self._room(att)
+            self.reporter.running(att)
+        room = self.reporter.room(att)
         got_lines = False
         if att.pid():            # until the pid, lines wait: RUNNING comes before the first
             for _ in range(4):
                 if not (room > 0 and att.log.poll(emit, False, room)):
                     break
                 got_lines = True
-                room = self._room(att)
+                room = self.reporter.room(att)
         if now >= att.next_hook and room > 0 and att.run_id is not None:
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
@@ -1667,7 +1759,7 @@ class Runner(Worker):
                              "message": "the job's shim vanished without an exit status "
                                         "(host reboot or killed)"}
         if att.pid() and not att.running_reported:
-            self._report_running(att)     # a fast job: say it ran before its lines
+            self.reporter.running(att)     # a fast job: say it ran before its lines
         att.draining = True
         try:
             drained = self._drain(att, emit)
@@ -1678,17 +1770,9 @@ class Runner(Worker):
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
 
-    def _room(self, att):
-        """Bytes this attempt may still read into the spool (its unacked backlog is capped:
-        the server may be away, and the job's own files keep the rest)."""
-        room = self.backlog_max_bytes - att.backlog(self.outbox.acked)
-        if room <= 0:
-            self._held_back = True
-        return min(LOG_READ_BYTES, max(room, 0))
-
     def _on_ack(self):
-        if self._held_back:
-            self._held_back = False
+        if self.reporter.held_back:
+            self.reporter.held_back = False
             self._wake.set()
 
     def _next_look(self, att, now, busy):
@@ -1707,7 +1791,7 @@ class Runner(Worker):
         final checkpoint scan; commands for other jobs run in between. -> False while the
         backlog cap holds it back (the final record must come after all of it)."""
         while True:
-            room = self._room(att)
+            room = self.reporter.room(att)
             if room <= 0:
                 return False
             if att.log.poll(emit, True, room):
@@ -1715,7 +1799,7 @@ class Runner(Worker):
                 continue
             break
         if att.run_id is not None:
-            while att.backlog(self.outbox.acked) < self.backlog_max_bytes:
+            while self.reporter.room(att) > 0:
                 try:
                     more = att.tb.poll(emit, final=True)
                 except Exception:
@@ -1746,15 +1830,6 @@ class Runner(Worker):
             log.exception("job %s attempt %s: checkpoint scan failed", att.job_id,
                           att.attempt)
 
-    def _report_running(self, att):
-        info = att.pid()
-        self.outbox.append("job", {
-            "job_id": att.job_id, "attempt": att.attempt, "state": "RUNNING",
-            "pid": info.get("pid"), "exit_code": None, "signal": None,
-            "failure_kind": None, "message": None},
-            att={"key": att.key, "running": True})
-        att.running_reported = True
-
     def _finish(self, att, exit_info, cancel):
         if att.container:
             if exit_info.get("failure_kind") == "LOST":
@@ -1765,51 +1840,11 @@ class Runner(Worker):
             kind, message = "LOST", exit_info["message"]
         else:
             kind, message = classify_exit(exit_info, att.file("log"), cancel)
-        rec = {"job_id": att.job_id, "attempt": att.attempt, "state": "EXITED",
-               "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
-               "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
-        self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
-                                                  "record": rec})
-        write_json_atomic(att.file("reported"), rec, private=True)
-        att.final = True
+        rec = self.reporter.final(att, kind, message, exit_info)
         if att.popen is not None:
             att.popen.poll()
         log.info("job %s attempt %s exited: code %s signal %s failure %s", att.job_id,
                  att.attempt, rec["exit_code"], rec["signal"], kind)
-
-    # -- retention ---------------------------------------------------------------------------
-
-    def remove_old_attempts(self, now=None):
-        """Delete the files of attempts reported more than `retention_days` ago; the
-        directory stays with its `reported` record so a repeated start is still refused."""
-        if not self.retention_days or self.retention_days <= 0:
-            return 0
-        cutoff = (now or time.time()) - self.retention_days * 86400
-        removed = 0
-        for job_id, attempt in self.known():
-            key = f"{job_id}/{attempt}"
-            path = os.path.join(self.jobs_dir, str(job_id), str(attempt))
-            if key in self.active:
-                continue
-            try:
-                if os.stat(os.path.join(path, "reported")).st_mtime > cutoff:
-                    continue
-                names = [n for n in os.listdir(path) if n != "reported"]
-            except OSError:
-                continue
-            for name in names:
-                p = os.path.join(path, name)
-                try:
-                    if os.path.isdir(p) and not os.path.islink(p):
-                        shutil.rmtree(p)
-                    else:
-                        os.unlink(p)
-                except OSError as e:
-                    log.warning("retention: cannot remove %s: %s", p, e)
-            if names:
-                removed += 1
-                log.info("retention: removed the files of job %s attempt %s", job_id, attempt)
-        return removed
 
     # -- views for the other threads (no file work, one short lock) --------------------------
 
@@ -1826,11 +1861,10 @@ class Runner(Worker):
         # Listed as running: every known attempt without its `reported` marker, which is
         # written after the EXITED record is in the outbox (so one that ended a moment ago
         # may still be listed; one known and not listed has its EXITED in the outbox).
-        known = self.known()
+        known = self.dirs.known()
         pids = {(v["job_id"], v["attempt"]): v["pid"] for v in self._snapshot()}
         running = [{"job_id": j, "attempt": a, "pid": pids.get((j, a))} for j, a in known
-                   if not os.path.exists(os.path.join(self.jobs_dir, str(j), str(a),
-                                                      "reported"))]
+                   if not self.dirs.reported(j, a)]
         return {"type": "sync", "running": running, "known": [[j, a] for j, a in known]}
 
     def busy_gpus(self):
