@@ -152,21 +152,28 @@ def test_bad_token_and_scopes(live_server, tmp_path):
 
 def test_acceptance_loop(live_server, agent, tmp_path):
     """submit two trainings with different settings -> wait -> diagnose -> compare ->
-    checkpoints -> recommendation: the better learning rate wins by construction."""
+    evaluate checkpoints -> recommendation, by MCP tools alone. The better learning rate
+    wins by construction, and the recommendation is the evaluated best."""
+    import shutil
     api = live_server.api
     write = api.post("/api/v1/tokens", {"name": "agent", "scope": "write"}, expect=201)["token"]
-    train = [sys.executable, "train.py", "--epochs", "4", "--steps-per-epoch", "30",
-             "--step-delay", "0", "--logdir", str(tmp_path / "tb-{}")]
+    dirs = {}
+    for lr in ("0.5", "0.005"):
+        d = dirs[lr] = tmp_path / f"lr-{lr}"
+        d.mkdir()
+        for f in ("train.py", "eval.py"):
+            shutil.copy(EXAMPLE / f, d / f)
 
     async def body(call, client):
         status = ok(await call("get_status"))
         assert "GPUs free" in status["summary"]
         jobs = {}
-        for lr in ("0.5", "0.005"):
-            cmd = [a.format(lr) for a in train] + ["--lr", lr]
-            j = ok(await call("submit_job", command=cmd, working_dir=str(EXAMPLE),
-                              name=f"lr-{lr}", cpu_only=True, project="acc",
-                              experiment="lr"))
+        for lr, d in dirs.items():
+            j = ok(await call("submit_job", command=[
+                sys.executable, "train.py", "--epochs", "4", "--steps-per-epoch", "30",
+                "--step-delay", "0", "--lr", lr], working_dir=str(d), name=f"lr-{lr}",
+                cpu_only=True, project="acc", experiment="lr",
+                eval_command=[sys.executable, "eval.py"]))
             assert j["next_actions"][0]["tool"] == "wait_for_job"
             jobs[lr] = j["id"]
         runs = {}
@@ -191,20 +198,43 @@ def test_acceptance_loop(live_server, agent, tmp_path):
         assert c["winner"] == good, c
         assert set(c["config_diff"]) >= {"lr"}
 
-        cc = ok(await call("compare_checkpoints", run_ids=[good, bad], key="val/loss"))
-        assert len(cc["ranked"]) == 8
-        assert cc["ranked"][0]["run_id"] == good
-
         # By construction: a checkpoint per epoch, at the step where val/loss was logged,
-        # so the best checkpoint sits at the step of the lowest val/loss.
+        # so the best by training value sits at the step of the lowest val/loss.
         val = ok(await call("get_metric_series", run_id=good, key="val/loss"))["points"]
         assert len(val) == 4
         lowest = min(val, key=lambda p: p[1])
         best = ok(await call("get_best_checkpoint", run_id=good, key="val/loss"))
-        assert best["checkpoint"]["run_id"] == good
+        assert best["checkpoint"]["run_id"] == good and best["source"] == "training"
         assert best["checkpoint"]["step"] == lowest[0], (best, val)
-        assert best["checkpoint"]["value"] == pytest.approx(lowest[1])
         assert best["runner_up"] and best["margin"] > 0 and best["reason"]
+
+        # Evaluate every checkpoint of both runs on held-out data (eval.py).
+        cks = {}
+        for run_id in (good, bad):
+            cks[run_id] = ok(await call("list_checkpoints", run_id=run_id))["checkpoints"]
+            assert len(cks[run_id]) == 4, cks[run_id]
+        eval_jobs = []
+        for ck in cks[good] + cks[bad]:
+            e = ok(await call("evaluate_checkpoint", checkpoint_id=ck["id"]))
+            assert e["next_actions"][0]["tool"] == "wait_for_job"
+            eval_jobs.append(e["next_actions"][0]["arguments"]["job_id"])
+        for job_id in eval_jobs:
+            w = ok(await call("wait_for_job", job_id=job_id, timeout_s=120))
+            assert w["state"] == "SUCCEEDED", w
+
+        ranked = ok(await call("compare_checkpoints", run_ids=[good, bad],
+                               key="eval/loss"))["ranked"]
+        assert len(ranked) == 8 and all(r["source"] == "evaluation" for r in ranked)
+        evaluated_best = min(ranked, key=lambda r: r["value"])
+        assert evaluated_best["run_id"] == good
+
+        # The primary metric, set once for the experiment, decides the recommendation.
+        ok(await call("set_primary_metric", key="eval/loss", direction="min",
+                      project="acc", experiment="lr"))
+        rec = ok(await call("get_best_checkpoint", project="acc", experiment="lr"))
+        assert rec["source"] == "evaluation", rec
+        assert rec["checkpoint"]["checkpoint_id"] == evaluated_best["checkpoint_id"], rec
+        assert rec["runner_up"] and rec["margin"] >= 0
 
         ev = ok(await call("list_events", run_id=good))
         assert isinstance(ev["events"], list)

@@ -106,18 +106,22 @@ def explanation(job_id):
 def compare_checkpoints():
     run_ids = _ids("runs", "3,4")
     bundles = [_bundle(i) for i in run_ids]
-    key = request.args.get("key") or None
     names = sorted({k["key"] for b in bundles for k in b["keys"]})
-    if key is None:
-        key = semantic.pick_primary([{"key": n} for n in names])
-    elif key not in names:
-        raise BadRequest(f"no run among {run_ids} has the metric {key!r}; they have: "
-                         f"{', '.join(names) or 'no metrics yet'}")
-    direction = next((k["direction"] for b in bundles for k in b["keys"] if k["key"] == key),
-                     semantic.direction(key or ""))
+    first = bundles[0]["run"]
+    # The key given, else the scope's primary metric definition, else a guess by name;
+    # the direction from the metric definitions (docs/checkpoints.md).
+    key, direction, metric = recommend.resolve_metric(
+        current_db(), request.args.get("key") or None, first["project"], first["experiment"],
+        keys_of_scope=[(n, 1) for n in names])
     cks = load.checkpoints(current_db(), run_ids, [key] if key else [])
+    if key and key not in names and not any(key in (c["evaluation"] or {}) for c in cks):
+        raise BadRequest(f"no run among {run_ids} has the metric {key!r}, and no evaluation "
+                         f"of their checkpoints does; the runs have: "
+                         f"{', '.join(names) or 'no metrics yet'}")
+    direction = direction or semantic.direction(key or "")
     result = semantic.compare_checkpoints(cks, key, direction)
     best = semantic.get_best_checkpoint(cks, key, direction)
     result["recommendation"] = {k: best[k] for k in
                                 ("checkpoint", "runner_up", "margin", "source", "reason")}
+    result["metric"] = metric
     return _json(result)
