@@ -24,7 +24,7 @@ def test_submit_checkpoints_evaluate_recommend(live_server, agent_factory, tmp_p
         for f in ("train.py", "eval.py"):
             shutil.copy(EXAMPLE / f, work / f)
         jobs[lr] = api.submit(
-            [sys.executable, "train.py", "--epochs", "3", "--steps-per-epoch", "20",
+            [sys.executable, "train.py", "--epochs", "2", "--steps-per-epoch", "20",
              "--step-delay", "0", "--lr", lr], work, cpu_only=True, name=f"lr{lr}",
             project="demo", experiment="lr-sweep", watch_dir="checkpoints",
             eval_command=[sys.executable, "eval.py"])
@@ -38,9 +38,9 @@ def test_submit_checkpoints_evaluate_recommend(live_server, agent_factory, tmp_p
         return api.get(f"/api/v1/runs/{run_id}/checkpoints", expect=200)["checkpoints"]
     ckpts = []
     for lr, run_id in runs.items():
-        got = wait_for(lambda: len(c := checkpoints(run_id)) == 3 and c, timeout=30,
-                       what=f"3 checkpoints of run {run_id}")
-        assert [c["epoch"] for c in got] == [0, 1, 2]
+        got = wait_for(lambda: len(c := checkpoints(run_id)) == 2 and c, timeout=30,
+                       what=f"2 checkpoints of run {run_id}")
+        assert [c["epoch"] for c in got] == [0, 1]
         assert all(c["path"].startswith(str(tmp_path)) for c in got)    # made absolute
         ckpts += got
 
@@ -77,7 +77,7 @@ def test_submit_checkpoints_evaluate_recommend(live_server, agent_factory, tmp_p
     assert rec["checkpoint"]["checkpoint_id"] == best, (rec, evaluated)
     assert rec["checkpoint"]["source"] == "evaluation"
     assert rec["metric"]["key"] == "eval/loss" and rec["metric"]["primary_from"] == "project"
-    assert rec["evaluated"] == 6 and rec["runner_up"] is not None
+    assert rec["evaluated"] == 4 and rec["runner_up"] is not None
 
     # the same through the CLI
     env = {**os.environ, "GPUCTL_TOKEN": live_server.token}
