@@ -48,6 +48,37 @@ def session(env, body, in_process=False):
     return asyncio.run(main())
 
 
+class McpHttp:
+    """`gpuplane-mcp --http PORT` as a process; .url is its /mcp endpoint."""
+
+    def __init__(self, env, log):
+        import subprocess
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "mcp_server.py"), "--http", str(self.port)],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+
+    def __enter__(self):
+        import socket
+
+        def listening():
+            assert self.proc.poll() is None, self.log.read_text()
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        try:
+            wait_for(listening, 60, what="gpuplane-mcp --http to listen")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
 def ok(res):
     is_error, data = res
     assert not is_error, data
@@ -64,19 +95,8 @@ def err(res):
 def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
     """`--http PORT` serves the tools at /mcp; with the server down it starts all the same
     and every tool says so. (The stdio transport is the acceptance test's.)"""
-    import socket
-    import subprocess
     from mcp import Client
-    port = free_port()
     env = mcp_env(f"http://127.0.0.1:{free_port()}", "nobody", tmp_path)
-    log = tmp_path / "mcp-http.log"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "mcp_server.py"), "--http", str(port)],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
-
-    def listening():
-        assert proc.poll() is None, log.read_text()
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
 
     async def body(client):
         async def call(tool, **args):
@@ -100,16 +120,12 @@ def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
         err(await call("compare_runs", run_ids=[1]))
         assert "not reachable" in err(await call("whoami"))
 
-    async def main():
-        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+    async def main(url):
+        async with Client(url) as client:
             await body(client)
-    try:
-        wait_for(listening, 60, what="gpuplane-mcp --http to listen")
-        asyncio.run(main())
-        assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with McpHttp(env, tmp_path / "mcp-http.log") as server:
+        asyncio.run(main(server.url))
+        assert server.proc.poll() is None
 
 
 def test_bad_token_and_scopes(live_server, tmp_path):
@@ -292,22 +308,20 @@ def test_mcp_inspector_cli(live_server, tmp_path):
     api.post(f"/api/v1/runs/{run['id']}/metrics",
              {"keys": ["train/loss"], "points": [[0, i, 2.0 - 0.03 * i, now_ms()]
                                                  for i in range(40)]}, expect=200)
-    base = [str(exe), "--cli", "--connect-timeout", "90000", "-e", f"GPUCTL_SERVER={live_server.url}",
-            "-e", f"GPUCTL_TOKEN={live_server.token}", "-e", f"GPUCTL_HOME={tmp_path}",
-            sys.executable, str(ROOT / "mcp_server.py")]
-
     calls = {"list": ["--method", "tools/list"],
              "observe": ["--method", "tools/call", "--tool-name", "get_status"],
              "semantic": ["--method", "tools/call", "--tool-name", "diagnose_run",
                           "--tool-arg", f"run_id={run['id']}"]}
-    # Three clients at once: each spends most of its time starting node and python.
-    procs = {k: subprocess.Popen([*base, *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, cwd=ROOT) for k, a in calls.items()}
     out = {}
-    for k, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
-        out[k] = json.loads(stdout)
+    env = mcp_env(live_server.url, live_server.token, tmp_path)
+    # Over streamable HTTP: one gpuplane-mcp for the three calls (spawning it per call
+    # over stdio costs a Python start each).
+    with McpHttp(env, tmp_path / "mcp-http.log") as server:
+        for k, args in calls.items():
+            r = subprocess.run([str(exe), "--cli", server.url, "--transport", "http", *args],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            out[k] = json.loads(r.stdout)
     tools = out["list"]["tools"]
     assert len(tools) == 22 and all(t.get("outputSchema") for t in tools)
     status = out["observe"]
