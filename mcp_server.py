@@ -357,11 +357,12 @@ class Gpuplane:
                        run_id=run_id, next_actions=acts)
 
     def _last_event_id(self, job):
-        evs = self._job_events(job, 0, limit=1, newest=True)
+        evs = self._job_events(job, None, limit=1)
         return evs[-1]["id"] if evs else 0
 
-    def _job_events(self, job, after, limit=200, newest=False):
-        # GET /events?job= where the server has it (issue 12), else the run's own events.
+    def _job_events(self, job, after, limit=200):
+        """The job's events after id `after`, oldest first (after=None: the latest `limit`).
+        GET /events?job= where the server has it (issue 12), else the run's own events."""
         try:
             data = self.client.list_events(job=job["id"], after=after, limit=limit)
             return data.get("events", [])
@@ -566,18 +567,21 @@ def build_server(gp):
     def list_events(
         run_id: Annotated[int | None, Field(description="only events of this run")] = None,
         job_id: Annotated[int | None, Field(description="only events of this job")] = None,
-        type: Annotated[str | None, Field(description="only this type, e.g. LOSS_NAN, OOM, "
-                                                      "JOB_FAILED")] = None,
+        type: Annotated[str | None, Field(description="only these types, comma-separated, "
+                                                      "e.g. 'LOSS_NAN,OOM'")] = None,
         severity: Annotated[Literal["info", "warning", "critical"] | None,
                             Field(description="at least this severity")] = None,
-        since: Annotated[int | None, Field(description="only events after this time "
-                                                       "(ms since the epoch)")] = None,
+        since: Annotated[int | str | None, Field(
+            description="only events after this time: ms since the epoch, an ISO 8601 time "
+                        "or an age like '30m', '2h'")] = None,
+        after: Annotated[int | None, Field(description="only events after this event id "
+                                                       "(the last one you saw)", ge=0)] = None,
         limit: Annotated[int, Field(description="at most this many, newest kept",
                                     ge=1, le=1000)] = 100,
     ) -> EventsOut:
         """Events: lifecycle (queued, started, finished, failed, ...) and rule findings
         (LOSS_NAN, OOM, LOSS_SPIKE, OVERFITTING_SUSPECTED, ...), oldest first."""
-        return gp.list_events(run_id, job_id, type, severity, since, limit=limit)
+        return gp.list_events(run_id, job_id, type, severity, since, after=after, limit=limit)
 
     @tool
     def whoami() -> WhoAmIOut:

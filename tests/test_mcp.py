@@ -145,6 +145,10 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             msg = err(await call(tool, **args[tool]))
             assert msg.startswith("WriteScopeError"), (tool, msg)
         assert ok(await call("get_job", job_id=job["id"]))["state"] == "QUEUED"
+        # No agent: nothing happens to the job, and the wait says so at its timeout.
+        w = ok(await call("wait_for_job", job_id=job["id"], timeout_s=1, until="change"))
+        assert w["timed_out"] and not w["reached"] and w["state"] == "QUEUED"
+        assert w["next_actions"][-1]["tool"] == "wait_for_job"
     # In process: the stdio transport is the other tests' business; this one is scopes.
     session(mcp_env(live_server.url, read, tmp_path), as_reader, in_process=True)
 
