@@ -428,8 +428,11 @@ class Gpuplane:
         if len(set(run_ids)) < 2:
             raise ToolFailure("compare_runs needs at least two different run ids, e.g. "
                               "run_ids=[3, 4]; list_runs shows them")
-        return CompareRunsOut(**self.call("compare runs", self.client.compare_runs, run_ids,
-                                          keys=keys, key=key))
+        data = self.call("compare runs", self.client.compare_runs, run_ids, keys=keys, key=key)
+        # The aligned overlay series (for charts) would flood an agent's context; the
+        # per-metric best / final / noise say what it needs. get_metric_series has curves.
+        data.pop("series", None)
+        return CompareRunsOut(**data)
 
     def compare_checkpoints(self, run_ids, key=None):
         return CompareCheckpointsOut(**self.call("compare checkpoints",
