@@ -145,6 +145,9 @@ export class MetricChart {
     };
     this.plotEl.replaceChildren();
     this.u = new uPlot(opts, data, this.plotEl);
+    if (data[0].length && window.gpuplane && !window.gpuplane.firstChartAt) {
+      window.gpuplane.firstChartAt = performance.now();     // for bench/dashboard.py
+    }
     this.u.over.addEventListener("dblclick", () => this.resetZoom());
     this.u.over.title = "drag to zoom in (full resolution), double-click to zoom out";
   }

@@ -111,7 +111,12 @@ def test_login_submit_watch_logs_and_curves_cancel_and_see_the_event(open_page, 
     page.click("#cancel")
     page.wait_for_selector("#confirm[open]")
     page.click("#confirm-yes")
-    page.wait_for_selector(".page-head .badge:has-text('CANCELLED')", timeout=60_000)
+    server.api.wait_job(job_id, timeout=60)
+    try:
+        page.wait_for_selector(".page-head .badge:has-text('CANCELLED')")
+    except Exception:
+        raise AssertionError(f"job page: {page.inner_text('main')[:600]}; live: "
+                             f"{page.evaluate('window.gpuplane.live.state')}; {w.errors}") from None
     page.goto(server.url + "/#/events")
     page.wait_for_selector(f"#events .event[data-type='CANCELLED']:has-text('job {job_id}')")
     shot(page, "events")
@@ -163,16 +168,22 @@ def test_hostile_names_and_log_lines_render_as_inert_text(open_page, cluster):
     job = server.api.submit(["python", "say.py"], wd, name=HOSTILE, cpu_only=True,
                             project="<b>p</b>")
     server.api.wait_job(job["id"])
+    waiting = server.api.submit(["true"], wd, name=HOSTILE, gpus=64)     # stays in the queue
     w = open_page(token=server.token)
     page = w.page
     for where in ("#/", "#/jobs", f"#/jobs/{job['id']}", "#/runs", "#/events", "#/experiments"):
         page.goto(server.url + "/" + where)
-        page.wait_for_selector(f"text={HOSTILE}")
+        try:
+            page.wait_for_function("(t) => document.querySelector('main').textContent.includes(t)",
+                                   arg=HOSTILE, timeout=20_000)
+        except Exception:
+            raise AssertionError(f"{where}: {page.inner_text('main')[:2000]}") from None
         assert page.locator("main img, main b, main script, main a[href^='javascript']").count() == 0
     page.goto(f"{server.url}/#/jobs/{job['id']}")
     line = page.wait_for_selector("#log .line .tx")
     assert line.text_content() == "<img src=x onerror=alert(2)> green <a href=javascript:alert(3)>x</a>"
     assert page.locator("#log .c-green.c-bold").count() == 1
+    server.api.post(f"/api/v1/jobs/{waiting['id']}/cancel", expect=200)
     w.assert_clean()
 
 
@@ -188,9 +199,11 @@ def test_every_page_without_console_errors_at_desktop_and_phone_width(open_page,
         page = w.page
         for name, where in pages.items():
             page.goto(server.url + "/" + where)
-            page.wait_for_selector(".page")
-            page.wait_for_load_state("networkidle") if False else None
-            page.wait_for_selector(".page h1")
+            try:
+                page.wait_for_selector(".page h1")
+            except Exception:
+                raise AssertionError(f"{where}: {page.inner_text('main')[:2000]}; "
+                                     f"console: {w.errors}") from None
             if name == "overview":
                 page.wait_for_selector("#nodes .node[data-node='gpu-box'] tr[data-gpu='1']")
                 assert page.locator("#nodes tr[data-gpu]").count() == 2

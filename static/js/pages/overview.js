@@ -38,59 +38,151 @@ export function renderStatus(s, { nodesEl, queueEl, runningEl, summary }) {
   const up = s.nodes.filter((n) => n.state === "connected").length;
   summary.textContent = `${up} of ${s.nodes.length} nodes connected · ${busy} of ${gpus} GPUs in use · ${s.queue.length} queued`;
   const names = new Map(s.running.map((j) => [j.id, j.name]));
-  replace(nodesEl, s.nodes.length ? s.nodes.map((n) => nodeCard(n, names))
-    : h("div", { class: "notice" }, "No node has connected yet. Start an agent on a GPU host: ",
+  renderNodes(nodesEl, s.nodes, names);
+  // The queue and the running table are rebuilt only when what they show changed (the
+  // running table also every 30 s, for its "since" column).
+  const queueKey = JSON.stringify(s.queue.map((j) => [j.id, j.name, j.gpus, j.cpu_only, j.priority, j.pending_reason]));
+  if (queueEl._key !== queueKey) {
+    queueEl._key = queueKey;
+    replace(queueEl, s.queue.length ? s.queue.map((j, i) => h("li", {},
+      h("a", { href: `#/jobs/${j.id}` }, `#${j.id} `, h("span", { text: j.name })),
+      h("span", { class: "muted" }, ` · ${j.cpu_only ? "CPU" : `${j.gpus} GPU${j.gpus === 1 ? "" : "s"}`} · priority ${j.priority}`),
+      h("div", { class: "why", text: j.pending_reason || (i === 0 ? "next when a slot frees" : `behind ${i} job${i === 1 ? "" : "s"}`) })))
+      : h("li", { class: "muted", text: "Nothing is waiting." }));
+  }
+  const runningKey = JSON.stringify(s.running.map((j) => [j.id, j.name, j.state, j.node, j.gpu_indices]));
+  const now = Date.now();
+  if (runningEl._key !== runningKey || now - (runningEl._at || 0) > 30000) {
+    runningEl._key = runningKey;
+    runningEl._at = now;
+    replace(runningEl, s.running.length ? h("table", { class: "table" },
+      h("thead", {}, h("tr", {}, ["Job", "State", "Node", "Slots", "Since"].map((t) => h("th", { text: t })))),
+      h("tbody", {}, s.running.map((j) => h("tr", {},
+        h("td", {}, h("a", { href: `#/jobs/${j.id}` }, `#${j.id} `, h("span", { text: j.name }))),
+        h("td", {}, stateBadge(j.state)),
+        h("td", { text: j.node || "" }),
+        h("td", { text: j.cpu_only ? "CPU" : (j.gpu_indices || []).map((i) => `GPU ${i}`).join(", ") }),
+        h("td", { text: fmtAgo(j.started_at || j.created_at) })))))
+      : h("p", { class: "muted", text: "No job is running." }));
+  }
+}
+
+// Node cards are kept between refreshes and only the values that changed are written:
+// a refresh of 32 nodes x 8 GPUs touches a few hundred text nodes, not 3000 elements.
+const cards = new WeakMap();       // nodesEl -> Map(name -> card)
+
+function setText(el, text) {
+  if (el.textContent !== text) el.textContent = text;
+}
+
+function setBar(fill, frac, label, cls) {
+  // A transform, not a width: the bar moves without a layout pass.
+  const t = `scaleX(${Math.max(0, Math.min(1, frac || 0)).toFixed(3)})`;
+  if (fill.style.transform !== t) fill.style.transform = t;
+  const c = `fill ${cls}`;
+  if (fill.className !== c) fill.className = c;
+  if (fill.parentNode.title !== label) {
+    fill.parentNode.title = label;
+    fill.parentNode.setAttribute("aria-label", label);
+  }
+}
+
+function bar() {
+  const fill = h("span", { class: "fill" });
+  return [h("span", { class: "bar", role: "img" }, fill), fill];
+}
+
+function renderNodes(nodesEl, nodes, names) {
+  let known = cards.get(nodesEl);
+  if (!known) {
+    known = new Map();
+    cards.set(nodesEl, known);
+  }
+  if (!nodes.length) {
+    known.clear();
+    replace(nodesEl, h("div", { class: "notice" }, "No node has connected yet. Start an agent on a GPU host: ",
       h("code", { text: "gpuplane-agent --server URL --token TOKEN" }), " (or ",
       h("code", { text: "--fake-gpus 2" }), " to try it without GPUs)."));
-  replace(queueEl, s.queue.length ? s.queue.map((j, i) => h("li", {},
-    h("a", { href: `#/jobs/${j.id}` }, `#${j.id} `, h("span", { text: j.name })),
-    h("span", { class: "muted" }, ` · ${j.cpu_only ? "CPU" : `${j.gpus} GPU${j.gpus === 1 ? "" : "s"}`} · priority ${j.priority}`),
-    h("div", { class: "why", text: j.pending_reason || (i === 0 ? "next when a slot frees" : `behind ${i} job${i === 1 ? "" : "s"}`) })))
-    : h("li", { class: "muted", text: "Nothing is waiting." }));
-  replace(runningEl, s.running.length ? h("table", { class: "table" },
-    h("thead", {}, h("tr", {}, ["Job", "State", "Node", "Slots", "Since"].map((t) => h("th", { text: t })))),
-    h("tbody", {}, s.running.map((j) => h("tr", {},
-      h("td", {}, h("a", { href: `#/jobs/${j.id}` }, `#${j.id} `, h("span", { text: j.name }))),
-      h("td", {}, stateBadge(j.state)),
-      h("td", { text: j.node || "" }),
-      h("td", { text: j.cpu_only ? "CPU" : (j.gpu_indices || []).map((i) => `GPU ${i}`).join(", ") }),
-      h("td", { text: fmtAgo(j.started_at || j.created_at) })))))
-    : h("p", { class: "muted", text: "No job is running." }));
+    return;
+  }
+  const order = [];
+  for (const n of nodes) {
+    let card = known.get(n.name);
+    const shape = n.gpus.map((g) => `${g.index}:${g.name}:${g.memory_total_mb}`).join(",") + `|${n.fake}`;
+    if (!card || card.shape !== shape) {
+      card = nodeCard(n);
+      card.shape = shape;
+      known.set(n.name, card);
+    }
+    updateCard(card, n, names);
+    order.push(card.el);
+  }
+  const wanted = new Set(nodes.map((n) => n.name));
+  for (const name of known.keys()) if (!wanted.has(name)) known.delete(name);
+  // Put the cards in order, moving only those out of place.
+  if (nodesEl.children.length !== order.length || order.some((el, i) => nodesEl.children[i] !== el)) {
+    replace(nodesEl, order);
+  }
 }
 
-function bar(frac, label, cls = "") {
-  const pct = Math.max(0, Math.min(100, (frac || 0) * 100));
-  const fill = h("span", { class: `fill ${cls}` });
-  fill.style.width = `${pct}%`;
-  return h("span", { class: "bar", role: "img", "aria-label": label, title: label }, fill);
-}
-
-function nodeCard(n, names) {
-  const host = n.host || {};
-  const connected = n.state === "connected";
-  return h("article", { class: `card node ${connected ? "" : "down"}`, "data-node": n.name },
-    h("header", { class: "row" },
-      h("h3", { text: n.name }),
-      h("span", { class: `badge ${connected ? "ok" : "warn"}`, text: n.state }),
-      n.fake ? h("span", { class: "badge muted", text: "fake GPUs" }) : null,
-      h("span", { class: "muted grow right", text: connected ? hostLine(host) : `last seen ${fmtAgo(n.last_seen)}` })),
-    n.gpus.length ? h("table", { class: "table gpus" },
+function nodeCard(n) {
+  const state = h("span", { class: "badge" });
+  const host = h("span", { class: "muted grow right" });
+  const rows = n.gpus.map((g) => {
+    const [utilBar, utilFill] = bar();
+    const [memBar, memFill] = bar();
+    const r = {
+      utilFill, memFill,
+      util: h("span", { class: "num" }), mem: h("span", { class: "num" }),
+      temp: h("td", { class: "num" }), power: h("td", { class: "num" }), job: h("td"), jobId: undefined,
+    };
+    r.el = h("tr", { "data-gpu": g.index },
+      h("td", {}, h("span", { text: `${g.index}` }), h("span", { class: "muted small", text: ` ${g.name || ""}` })),
+      h("td", {}, h("div", { class: "meter" }, utilBar, r.util)),
+      h("td", {}, h("div", { class: "meter" }, memBar, r.mem)),
+      r.temp, r.power, r.job);
+    return r;
+  });
+  const cpu = h("p", { class: "small" });
+  const el = h("article", { class: "card node", "data-node": n.name },
+    h("header", { class: "row" }, h("h3", { text: n.name }), state,
+      n.fake ? h("span", { class: "badge muted", text: "fake GPUs" }) : null, host),
+    rows.length ? h("table", { class: "table gpus" },
       h("thead", {}, h("tr", {}, ["GPU", "Utilisation", "Memory", "Temp", "Power", "Job"].map((t) => h("th", { text: t })))),
-      h("tbody", {}, n.gpus.map((g) => {
-        const memFrac = g.memory_total_mb ? (g.mem_used_mb || 0) / g.memory_total_mb : 0;
-        return h("tr", { "data-gpu": g.index },
-          h("td", {}, h("span", { text: `${g.index}` }), h("span", { class: "muted small", text: ` ${g.name || ""}` })),
-          h("td", {}, h("div", { class: "meter" }, bar((g.util || 0) / 100, `utilisation ${g.util ?? "?"} %`, heat(g.util)),
-            h("span", { class: "num", text: g.util === null || g.util === undefined ? "–" : `${Math.round(g.util)} %` }))),
-          h("td", {}, h("div", { class: "meter" }, bar(memFrac, `memory ${g.mem_used_mb ?? "?"} of ${g.memory_total_mb} MB`, heat(memFrac * 100)),
-            h("span", { class: "num", text: `${fmtGB(g.mem_used_mb)} / ${fmtGB(g.memory_total_mb)}` }))),
-          h("td", { class: "num", text: g.temp_c === null || g.temp_c === undefined ? "–" : `${Math.round(g.temp_c)} °C` }),
-          h("td", { class: "num", text: g.power_w === null || g.power_w === undefined ? "–" : `${Math.round(g.power_w)} W` }),
-          h("td", {}, g.job_id ? h("a", { href: `#/jobs/${g.job_id}` }, `#${g.job_id} `, h("span", { text: names.get(g.job_id) || "" }))
-            : h("span", { class: "muted", text: "free" })));
-      }))) : null,
-    n.cpu_jobs && n.cpu_jobs.length ? h("p", { class: "small" }, "CPU jobs: ",
-      n.cpu_jobs.map((id) => h("a", { href: `#/jobs/${id}`, class: "chip" }, `#${id} `, h("span", { text: names.get(id) || "" })))) : null);
+      h("tbody", {}, rows.map((r) => r.el))) : null,
+    cpu);
+  return { el, state, host, rows, cpu, cpuKey: null };
+}
+
+function updateCard(card, n, names) {
+  const connected = n.state === "connected";
+  card.el.classList.toggle("down", !connected);
+  setText(card.state, n.state);
+  const cls = `badge ${connected ? "ok" : "warn"}`;
+  if (card.state.className !== cls) card.state.className = cls;
+  setText(card.host, connected ? hostLine(n.host || {}) : `last seen ${fmtAgo(n.last_seen)}`);
+  n.gpus.forEach((g, i) => {
+    const r = card.rows[i];
+    const memFrac = g.memory_total_mb ? (g.mem_used_mb || 0) / g.memory_total_mb : 0;
+    setBar(r.utilFill, (g.util || 0) / 100, `utilisation ${g.util ?? "?"} %`, heat(g.util));
+    setText(r.util, g.util === null || g.util === undefined ? "–" : `${Math.round(g.util)} %`);
+    setBar(r.memFill, memFrac, `memory ${g.mem_used_mb ?? "?"} of ${g.memory_total_mb} MB`, heat(memFrac * 100));
+    setText(r.mem, `${fmtGB(g.mem_used_mb)} / ${fmtGB(g.memory_total_mb)}`);
+    setText(r.temp, g.temp_c === null || g.temp_c === undefined ? "–" : `${Math.round(g.temp_c)} °C`);
+    setText(r.power, g.power_w === null || g.power_w === undefined ? "–" : `${Math.round(g.power_w)} W`);
+    const jobKey = g.job_id ? `${g.job_id}:${names.get(g.job_id) || ""}` : null;
+    if (r.jobId !== jobKey) {
+      r.jobId = jobKey;
+      replace(r.job, g.job_id ? h("a", { href: `#/jobs/${g.job_id}` }, `#${g.job_id} `, h("span", { text: names.get(g.job_id) || "" }))
+        : h("span", { class: "muted", text: "free" }));
+    }
+  });
+  const cpuKey = (n.cpu_jobs || []).map((id) => `${id}:${names.get(id) || ""}`).join(",");
+  if (card.cpuKey !== cpuKey) {
+    card.cpuKey = cpuKey;
+    replace(card.cpu, cpuKey ? ["CPU jobs: ", n.cpu_jobs.map((id) => h("a", { href: `#/jobs/${id}`, class: "chip" }, `#${id} `, h("span", { text: names.get(id) || "" })))] : []);
+    card.cpu.hidden = !cpuKey;
+  }
 }
 
 function hostLine(host) {
