@@ -12,36 +12,28 @@ Topics (`name[:arg][@cursor]`):
 Each message is `data: {"topic": <topic without cursor>, "data": ...}`. The client keeps
 the cursors and names them again when it reconnects, so a server restart loses nothing.
 
-Every open stream holds a gunicorn thread: streams are capped at a quarter of the pool
-and the one over the cap gets a 503 with Retry-After (the dashboard backs off and retries).
+Every open stream holds a gunicorn thread: it takes one of the server's SSE slots
+(gpuplane/streams.py), and the one over the cap gets a 503 with Retry-After (the
+dashboard backs off and retries).
 """
 import json
-import threading
 
 from flask import Blueprint, Response, current_app, request
 
 from ..auth import requires
 from ..db import events, jobs, logs, metrics, runs
-from ..errors import BadRequest, error_response
+from ..errors import BadRequest
 from . import current_db
-from .jobs import attempts
+from .jobs import _gone_check, attempts
 from .nodes import node_views
 
 bp = Blueprint("stream", __name__, url_prefix="/api/v1")
 
 POLL_S = 1.0          # node stats and metrics do not publish on the hub: look this often
-KEEPALIVE_S = 5       # also how soon a closed tab frees its thread (at the 2nd write)
+KEEPALIVE_S = 15
 MAX_TOPICS = 32
 LOG_BACKLOG = 200
 EVENT_BACKLOG = 50
-
-_lock = threading.Lock()
-_open = {}            # app -> number of open streams
-
-
-def stream_cap(app):
-    return app.config.get("STREAM_CAP") or max(2, int(app.config["GPUPLANE"]["threads"]) // 4)
-
 
 def parse_topics(raw):
     """'status,logs:17@420' -> [(name, arg, cursor)], or BadRequest naming the bad one."""
@@ -82,23 +74,10 @@ def parse_topics(raw):
 @requires("read")
 def stream():
     topics = parse_topics(request.args.get("topics"))
-    app = current_app._get_current_object()
-    with _lock:
-        if _open.get(app, 0) >= stream_cap(app):
-            resp = error_response(503, "TooManyStreams",
-                                  f"{stream_cap(app)} live streams are open, the most this "
-                                  "server allows; close a dashboard tab or retry in a few seconds")
-            resp.headers["Retry-After"] = "5"
-            return resp
-        _open[app] = _open.get(app, 0) + 1
-    slots = app.config["STREAMS"]       # the followers' share of the thread budget
-    try:
-        slots.acquire("sse")
-    except Exception:
-        with _lock:
-            _open[app] -= 1
-        raise
-    resp = Response(_run(app, current_db(), app.config["HUB"], topics),
+    slots = current_app.config["STREAMS"]
+    slots.acquire("sse")        # 503 + Retry-After beyond the followers' share of threads
+    gone = _gone_check(request.environ.get("gunicorn.socket"))
+    resp = Response(_run(current_db(), current_app.config["HUB"], topics, gone),
                     mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     resp.call_on_close(lambda: slots.release("sse"))
@@ -115,29 +94,25 @@ def _msg(topic, data):
     return f"data: {json.dumps({'topic': topic, 'data': data}, separators=(',', ':'))}\n\n"
 
 
-def _run(app, db, hub, topics):
-    try:
-        yield ": open\n\n"        # headers out now, not at the first change
-        state = {}                # per topic: cursor or last fingerprint
-        for name, arg, cur in topics:
-            state[(name, arg)] = cur
-        idle = 0.0
-        while not hub.closed:
-            version = hub.version
-            sent = False
-            for (name, arg), seen in list(state.items()):
-                out, state[(name, arg)] = _poll(db, name, arg, seen)
-                for data in out:
-                    sent = True
-                    yield _msg(_label(name, arg), data)
-            if hub.wait(version, POLL_S) == version:
-                idle = 0.0 if sent else idle + POLL_S
-                if idle >= KEEPALIVE_S:       # a vanished client frees its thread here
-                    idle = 0.0
-                    yield ": keepalive\n\n"
-    finally:
-        with _lock:
-            _open[app] -= 1
+def _run(db, hub, topics, gone):
+    yield ": open\n\n"            # headers out now, not at the first change
+    state = {}                    # per topic: cursor or last fingerprint
+    for name, arg, cur in topics:
+        state[(name, arg)] = cur
+    idle = 0.0
+    while not hub.closed and not gone():
+        version = hub.version
+        sent = False
+        for (name, arg), seen in list(state.items()):
+            out, state[(name, arg)] = _poll(db, name, arg, seen)
+            for data in out:
+                sent = True
+                yield _msg(_label(name, arg), data)
+        if hub.wait(version, POLL_S) == version:
+            idle = 0.0 if sent else idle + POLL_S
+            if idle >= KEEPALIVE_S:
+                idle = 0.0
+                yield ": keepalive\n\n"
 
 
 def _poll(db, name, arg, seen):

@@ -223,3 +223,19 @@ def test_every_page_without_console_errors_at_desktop_and_phone_width(open_page,
         # One stream for the whole tab, whatever the pages opened.
         assert page.evaluate("() => window.gpuplane.live.state") == "live"
         w.assert_clean()
+
+
+def test_metric_definition_set_from_the_page(open_page, cluster):
+    server = cluster[0]
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/metrics")
+    page.wait_for_selector("#md-key")
+    page.fill("#md-key", "val/score")
+    page.select_option("#md-direction", "max")
+    page.check("#md-primary")
+    page.click("#md-save")
+    page.wait_for_selector("#defs tr:has-text('val/score'):has-text('higher is better')")
+    defs = server.api.get("/api/v1/metric-definitions", expect=200)["definitions"]
+    assert any(d["key"] == "val/score" and d["direction"] == "max" and d["primary"] for d in defs)
+    w.assert_clean()

@@ -43,13 +43,20 @@ export async function render(root, _params, query) {
       return { run, summary: Object.fromEntries(s.keys.map((k) => [k.key, k])) };
     }));
     const keys = [...new Set(rows.flatMap((r) => Object.keys(r.summary)))].filter((k) => !k.startsWith("sys/")).sort();
-    const cur = keySel.value;
+    const cur = keySel.value || await primaryKey(p, e);
     replace(keySel, keys.length ? keys.map((k) => h("option", { value: k, text: k })) : h("option", { value: "", text: "no metrics" }));
     keySel.value = keys.includes(cur) ? cur : (keys.find((k) => /val|eval/.test(k) && /loss|acc/.test(k)) || keys[0] || "");
     selected.clear();
     rows.slice(0, 5).forEach((r) => selected.add(r.run.id));
     draw();
     drawOverlay();
+  }
+
+  async function primaryKey(p, e) {
+    const q = new URLSearchParams({ project: p });
+    if (e) q.set("experiment", e);
+    const d = await optional(`/metric-definitions?${q}`).catch(() => null);
+    return (d && d.primary && d.primary.key) || "";
   }
 
   function bestOf(r) {
@@ -123,6 +130,15 @@ export async function render(root, _params, query) {
   return () => { if (overlay) overlay.destroy(); };
 }
 
+function describe(p) {
+  const parts = [];
+  if (typeof p.experiments === "number") parts.push(`${p.experiments} experiment${p.experiments === 1 ? "" : "s"}`);
+  else if (Array.isArray(p.experiments)) parts.push(p.experiments.map((e) => (typeof e === "string" ? e : e.name)).join(", "));
+  if (typeof p.runs === "number") parts.push(`${p.runs} run${p.runs === 1 ? "" : "s"}`);
+  if (p.description) parts.push(p.description);
+  return parts.join(" · ");
+}
+
 // Projects (issue 11's routes): list and create where the server has them.
 async function loadProjects(el, msg) {
   const data = await optional("/projects").catch(() => null);
@@ -133,7 +149,7 @@ async function loadProjects(el, msg) {
   const projects = data.projects || [];
   const name = h("input", { id: "p-name", placeholder: "new project name", "aria-label": "New project name", required: true });
   replace(el, h("ul", { class: "plain" }, projects.map((p) => h("li", {}, h("strong", { text: p.name }),
-    p.experiments ? h("span", { class: "muted", text: ` · ${p.experiments.map((e) => (typeof e === "string" ? e : e.name)).join(", ")}` }) : null))),
+    h("span", { class: "muted", text: ` · ${describe(p)}` })))),
   canWrite() ? h("form", { class: "row", onsubmit: async (ev) => {
     ev.preventDefault();
     try {

@@ -42,7 +42,7 @@ export async function render(root) {
       replace(msg);
       try {
         await api("/metric-definitions", { method: "POST", body: { key: key.value.trim(), direction: dir.value, primary: primary.checked,
-          project: project.value.trim() || null, experiment: experiment.value.trim() || null } });
+          project: project.value.trim(), experiment: experiment.value.trim() } });
         await load();
       } catch (e) {
         replace(msg, errorBox(e));
