@@ -13,6 +13,7 @@ and wait_for_job. Errors are tool errors with a sentence that names the fix; a r
 token gets `WriteScopeError` from every control tool.
 """
 import argparse
+import contextvars
 import functools
 import inspect
 import os
@@ -29,6 +30,10 @@ FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 WAIT_POLL_S = 1.0
 WAIT_MAX_S = 1800
 WHOAMI_TTL_S = 30
+MAX_CALLERS = 64
+
+# The token an HTTP caller sent with its request (set per request by a middleware).
+_caller_token = contextvars.ContextVar("gpuplane_caller_token", default=None)
 
 INSTRUCTIONS = """GPUPlane runs training jobs on GPU machines. Loop: submit_job -> wait_for_job
 (returns when the job ends or an event arrives; never poll in a loop) -> diagnose_run ->
@@ -192,9 +197,27 @@ class Gpuplane:
     """The tools' implementation: REST calls and the shaping of their answers."""
 
     def __init__(self, server=None, token=None, timeout=15):
-        self.client = Client(server, token, timeout=timeout)
-        self._whoami = None     # (monotonic time, answer)
+        self._default = Client(server, token, timeout=timeout)
+        self._timeout = timeout
+        self._callers = {}      # an HTTP caller's own token -> its Client
+        self._whoami = {}       # token -> (monotonic time, answer)
         self._lock = threading.Lock()
+
+    @property
+    def client(self):
+        """The REST client of this call: the caller's own token when it sent one over
+        HTTP (Authorization: Bearer ...), else the token gpuplane-mcp was started with."""
+        token = _caller_token.get()
+        if token is None:
+            return self._default
+        with self._lock:
+            c = self._callers.get(token)
+            if c is None:
+                if len(self._callers) >= MAX_CALLERS:
+                    self._callers.pop(next(iter(self._callers))).close()
+                c = self._callers[token] = Client(self._default.server, token,
+                                                  timeout=self._timeout)
+            return c
 
     # plumbing
 
@@ -232,12 +255,16 @@ class Gpuplane:
                 "a write token (`gpuplane token create --name NAME --scope write`)")
 
     def whoami_cached(self):
+        client = self.client
         with self._lock:
-            if self._whoami and time.monotonic() - self._whoami[0] < WHOAMI_TTL_S:
-                return self._whoami[1]
-        who = self.call("say who you are", self.client.whoami)
+            hit = self._whoami.get(client.token)
+            if hit and time.monotonic() - hit[0] < WHOAMI_TTL_S:
+                return hit[1]
+        who = self.call("say who you are", client.whoami)
         with self._lock:
-            self._whoami = (time.monotonic(), who)
+            if len(self._whoami) >= MAX_CALLERS:
+                self._whoami.pop(next(iter(self._whoami)))
+            self._whoami[client.token] = (time.monotonic(), who)
         return who
 
     # observe
@@ -478,7 +505,19 @@ def build_server(gp):
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    server = MCPServer("gpuplane", instructions=INSTRUCTIONS)
+    async def caller_token(ctx, call_next):
+        # Over HTTP a caller may send its own GPUPlane token; its calls then run with it.
+        headers = getattr(getattr(ctx, "request", None), "headers", None)
+        auth = headers.get("authorization", "") if headers is not None else ""
+        if auth[:7].lower() != "bearer " or not auth[7:].strip():
+            return await call_next(ctx)
+        mark = _caller_token.set(auth[7:].strip())
+        try:
+            return await call_next(ctx)
+        finally:
+            _caller_token.reset(mark)
+
+    server = MCPServer("gpuplane", instructions=INSTRUCTIONS, middleware=[caller_token])
 
     def tool(fn):
         @functools.wraps(fn)

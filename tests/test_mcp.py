@@ -164,6 +164,27 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             assert not (is_error and "WriteScopeError" in data), (tool, data)
     session(mcp_env(live_server.url, write, tmp_path), as_writer, in_process=True)
 
+    # Over HTTP a caller's own token (Authorization: Bearer) is the one its calls use.
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def over_http(url):
+        async with Client(url) as plain:
+            who = (await plain.call_tool("whoami", {})).structured_content
+            assert who["scope"] == "read"
+            r = await plain.call_tool("cancel_job", {"job_id": job["id"]})
+            assert r.is_error and "WriteScopeError" in r.content[0].text
+        headers = {"Authorization": f"Bearer {write}"}
+        async with httpx2.AsyncClient(headers=headers) as http, \
+                Client(streamable_http_client(url, http_client=http)) as mine:
+            who = (await mine.call_tool("whoami", {})).structured_content
+            assert who["name"] == "writer" and who["can_write"] is True
+            r = await mine.call_tool("cancel_job", {"job_id": job["id"]})
+            assert not r.is_error, r.content
+    with McpHttp(mcp_env(live_server.url, read, tmp_path), tmp_path / "http.log") as server:
+        asyncio.run(over_http(server.url))
+
     async def bad_token(call, client):
         assert err(await call("list_jobs")).startswith("Unauthorized")
         assert err(await call("submit_job", **args["submit_job"])).startswith("Unauthorized")
