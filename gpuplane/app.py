@@ -34,10 +34,13 @@ def create_app(home=None, start_threads=True, **overrides):
     errors.register(app)
 
     # The pieces that live as long as the process: pub/sub for logs, the lifecycle (the
-    # one writer of job/run/node state), the agent gateway, the scheduler. Imported here
-    # so the CLI's import of this module stays light. The lifecycle is wired to the
-    # others here; scheduler and gateway never refer to each other.
+    # one writer of job/run/node state), the agent gateway, the scheduler, the event
+    # engine and the webhook sender. Imported here so the CLI's import of this module
+    # stays light. The lifecycle is wired to the others here; scheduler and gateway never
+    # refer to each other.
+    from .events import Engine
     from .gateway import Gateway
+    from .webhooks import Webhooks
     from .hub import Hub
     from .lifecycle import Lifecycle
     from .rollup import Rollup
@@ -50,8 +53,14 @@ def create_app(home=None, start_threads=True, **overrides):
     rollup = Rollup(db, cfg)
     from .streams import StreamSlots
     slots = StreamSlots(cfg["threads"], cfg["agent_threads"], cfg["rest_threads"])
+    engine = Engine(db, cfg)
+    gateway.events = engine
+    webhooks = Webhooks(db, cfg)
+    # lifecycle events (and the engine's own) wake the webhook sender and SSE followers
+    lifecycle.on_event(engine.offer_lifecycle)
+    engine.listeners.append(webhooks.notify)
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
-                      LIFECYCLE=lifecycle, STREAMS=slots)
+                      LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks)
 
     for bp in blueprints():
         app.register_blueprint(bp)
@@ -69,7 +78,7 @@ def create_app(home=None, start_threads=True, **overrides):
         return send_from_directory(STATIC, name, max_age=0)
     static_file.required_scope = "public"
 
-    threads = [scheduler, rollup]
+    threads = [scheduler, rollup, engine, webhooks]
     if float(cfg.get("backup_interval_h") or 0) > 0:
         from .backups import BackupSchedule
         threads.append(BackupSchedule(home, cfg["backup_interval_h"], cfg["backup_keep"]))

@@ -63,6 +63,7 @@ def load_server_config(home):
     for section in (raw, raw.get("server", {})):
         config.update({k: v for k, v in section.items() if not isinstance(v, (dict, list))})
     config["webhooks"] = raw.get("webhooks", [])
+    config["events"] = raw.get("events", {})
     config["home"] = str(home)
     return config
 

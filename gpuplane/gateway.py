@@ -67,6 +67,7 @@ class Gateway:
         self.hub = hub
         self.cfg = cfg
         self.lifecycle = lifecycle
+        self.events = None          # the event engine (gpuplane/events.py): hand-offs
         self._conns = {}
         self._lock = threading.Lock()
 
@@ -318,6 +319,8 @@ class Gateway:
         if kind == "log":
             added = logs.append(c, int(rec["job_id"]), int(rec["attempt"]), rec["lines"],
                                 keep=int(self.cfg["log_keep_lines"]))
+            if added and self.events:
+                self.events.offer_log(int(rec["job_id"]), int(rec["attempt"]), rec["lines"])
             return bool(added)
         if kind == "metrics":
             points = rec["points"]
@@ -325,12 +328,19 @@ class Gateway:
             index = {k: i for i, k in enumerate(keys)}
             run_id = int(rec["run_id"])
             if runs.exists(c, run_id):
-                metrics.ingest(c, run_id, keys,
-                               [[index[str(k)], s, v, pt] for k, s, v, pt in points])
+                cols = metrics.parse_batch(
+                    keys, [[index[str(k)], s, v, pt] for k, s, v, pt in points])
+                if cols[1]:
+                    ids, _ = metrics.resolve_keys(c, run_id, keys)
+                    metrics.insert_points(c, ids, cols)
+                    if self.events:     # checked by the event engine on its own thread
+                        self.events.offer_points(run_id, keys, cols)
             return False
         if kind == "node_stats":
             nodes.set_stats(c, node, {"gpus": rec.get("gpus") or [],
                                       "host": rec.get("host") or {}, "ts": ts})
+            if self.events and isinstance(rec.get("host"), dict):
+                self.events.offer_node_stats(node, rec["host"])
             return False
         if kind == "checkpoint":
             run_id = int(rec["run_id"])

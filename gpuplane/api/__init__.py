@@ -3,7 +3,7 @@ import importlib
 
 from flask import current_app
 
-MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "semantic", "stream", "routes",
+MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "events", "semantic", "stream", "routes",
            "checkpoints", "projects")
 
 

@@ -10,7 +10,7 @@ Non-finite values are answered as the strings "NaN", "Infinity", "-Infinity".
 import json
 import threading
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, current_app, request
 
 from ..auth import requires
 from ..db import metrics
@@ -66,6 +66,7 @@ def ingest(run_id):
                 n = metrics.ingest_batch(current_db(), run_id, keys, cols=cols)
             except metrics.BadBatch as e:
                 raise BadRequest(str(e)) from None
+        current_app.config["EVENTS"].offer_points(run_id, keys, cols)
         return _json({"accepted": n})
     with _ingest_lock:
         data = parse_json(raw)
@@ -73,9 +74,12 @@ def ingest(run_id):
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')
         try:
-            n = metrics.ingest_batch(current_db(), run_id, data["keys"], data["points"])
+            cols = metrics.parse_batch(data["keys"], data["points"])
+            n = metrics.ingest_batch(current_db(), run_id, data["keys"], cols=cols)
         except metrics.BadBatch as e:
             raise BadRequest(str(e)) from None
+    # the event engine (gpuplane/events.py) checks them on its own thread
+    current_app.config["EVENTS"].offer_points(run_id, data["keys"], cols)
     return _json({"accepted": n})
 
 

@@ -1,7 +1,7 @@
 """Runs: list and show; SDK registration, finish and events (checkpoints: api/checkpoints.py)."""
 import math
 
-from flask import Blueprint, request
+from flask import Blueprint, current_app, request
 
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
@@ -86,10 +86,10 @@ def add_event(run_id):
     payload = field(data, "data", dict, {})
     step = _opt_number(data, "step", int)
     ts = _opt_number(data, "ts", int) or now_ms()
-    with current_db().tx() as c:
-        events.add(c, "USER", name, run_id=run_id, job_id=run["job_id"], node=run["node"],
-                   data={"name": name, **payload}, step=step, ts=ts)
-    return {"run_id": run_id, "name": name}, 201
+    # debounced per run and name, a flood counted (gpuplane/events.py, docs/events.md)
+    event_id, added = current_app.config["EVENTS"].record_user_event(
+        run, name, payload, step, ts)
+    return {"run_id": run_id, "name": name, "event_id": event_id, "new": added}, 201
 
 
 @bp.get("/runs/<int:run_id>/events")

@@ -312,9 +312,22 @@ SCHEMA_V5_JOB_IMAGE = """
 ALTER TABLE jobs ADD COLUMN image TEXT;
 """
 
+# The event engine (gpuplane/events.py, docs/events.md): a debounced event is one row whose
+# `count` grows with each repeat inside the window (`last_ts` the latest); `fingerprint`
+# names what triggered a finding (rule, run, key, step) so the same point seen again —
+# a replay, a restart — never adds a second row.
+SCHEMA_V6_EVENTS = """
+ALTER TABLE events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE events ADD COLUMN last_ts INTEGER;
+ALTER TABLE events ADD COLUMN fingerprint TEXT;
+CREATE UNIQUE INDEX events_fingerprint ON events(fingerprint) WHERE fingerprint IS NOT NULL;
+CREATE INDEX events_job ON events(job_id, id);
+CREATE INDEX events_node_type ON events(node, type, id);
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
-              SCHEMA_V5_JOB_IMAGE]
+              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS]
 
 
 class NestedTransaction(RuntimeError):

@@ -35,3 +35,130 @@ def list_events(db, run_id=None, job_id=None, after_id=0, limit=200, type=None):
         d["data"] = loads(d["data"], {})
         out.append(d)
     return out
+
+
+# -- the event engine (gpuplane/events.py) ------------------------------------------------
+
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _row(r):
+    d = dict(r)
+    d["data"] = loads(d["data"], {})
+    return d
+
+
+def record(conn, ev, window_ms, now=None):
+    """Store a finding, debounced: when the same subject (run, else job, else node) already
+    has an event of this type (and, for USER events, this name) within `window_ms`, its
+    count grows instead. A finding whose fingerprint is stored already changes nothing.
+    Returns (event id, True when a new row was added)."""
+    now = now or now_ms()
+    fp = ev.get("fingerprint")
+    if fp and conn.execute("SELECT 1 FROM events WHERE fingerprint = ?", (fp,)).fetchone():
+        return None, False
+    where, params = ["type = ?", "ts >= ?"], [ev["type"], now - window_ms]
+    for col in ("run_id", "job_id", "node"):
+        if ev.get(col) is not None:
+            where.append(f"{col} = ?")
+            params.append(ev[col])
+            break
+    else:
+        where.append("run_id IS NULL AND job_id IS NULL AND node IS NULL")
+    if ev["type"] == "USER":
+        where.append("message = ?")
+        params.append(ev.get("message", ""))
+    row = conn.execute("SELECT id FROM events WHERE " + " AND ".join(where)
+                       + " ORDER BY id DESC LIMIT 1", params).fetchone()
+    if row is not None:
+        conn.execute("UPDATE events SET count = count + ?, last_ts = ? WHERE id = ?",
+                     (ev.get("count", 1), now, row[0]))
+        return row[0], False
+    cur = conn.execute(
+        "INSERT INTO events (run_id, job_id, node, type, severity, message, data, step, ts,"
+        " count, last_ts, fingerprint) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        (ev.get("run_id"), ev.get("job_id"), ev.get("node"), ev["type"],
+         ev.get("severity", "info"), ev.get("message", ""), dumps(ev.get("data") or {}),
+         ev.get("step"), ev.get("ts") or now, ev.get("count", 1), now, fp))
+    return cur.lastrowid, True
+
+
+def add_count(conn, event_id, n, now=None):
+    conn.execute("UPDATE events SET count = count + ?, last_ts = ? WHERE id = ?",
+                 (n, now or now_ms(), event_id))
+
+
+def query(db, *, run_id=None, job_id=None, types=None, min_severity=None, since_ms=None,
+          after_id=0, limit=200, newest=False):
+    """Events matching every given filter, oldest first: those after `after_id`, or with
+    `newest` the latest `limit` of them."""
+    where, params = ["id > ?"], [after_id]
+    for col, v in (("run_id", run_id), ("job_id", job_id)):
+        if v is not None:
+            where.append(f"{col} = ?")
+            params.append(v)
+    if types:
+        where.append("type IN (%s)" % ",".join("?" * len(types)))
+        params.extend(types)
+    if min_severity:
+        ok = [s for s, r in SEVERITY_RANK.items() if r >= SEVERITY_RANK[min_severity]]
+        where.append("severity IN (%s)" % ",".join("?" * len(ok)))
+        params.extend(ok)
+    if since_ms is not None:
+        where.append("ts >= ?")
+        params.append(since_ms)
+    order = "DESC" if newest else "ASC"
+    rows = db.query("SELECT * FROM events WHERE " + " AND ".join(where)
+                    + f" ORDER BY id {order} LIMIT ?", (*params, limit))
+    out = [_row(r) for r in rows]
+    return out[::-1] if newest else out
+
+
+def last_id(db):
+    return db.query_one("SELECT coalesce(max(id), 0) FROM events")[0]
+
+
+def run_context(db, run_id):
+    """What the engine needs to know of a run: its job, node, state and source."""
+    row = db.query_one("SELECT id, job_id, attempt, node, state, source FROM runs WHERE id = ?",
+                       (run_id,))
+    return dict(row) if row else None
+
+
+def run_of_attempt(db, job_id, attempt):
+    row = db.query_one("SELECT id FROM runs WHERE job_id = ? AND attempt = ?",
+                       (job_id, attempt))
+    return row[0] if row else None
+
+
+def recent_points(db, run_id, key, before_step, limit):
+    """The latest `limit` points of a run's key below `before_step`, oldest first, to
+    rebuild the engine's windows after a restart. NaN comes back as NaN."""
+    rows = db.query(
+        "SELECT p.step, p.value, p.ts FROM points p JOIN metric_keys k ON k.id = p.key_id"
+        " WHERE k.run_id = ? AND k.key = ? AND p.step < ? ORDER BY p.step DESC LIMIT ?",
+        (run_id, key, before_step, limit))
+    return [(r[0], float("nan") if r[1] is None else r[1], r[2]) for r in reversed(rows)]
+
+
+def running_job_runs(db):
+    """Runs of jobs running now on a connected node (a disconnected node's jobs cannot
+    report, so their silence says nothing): (run id, job id, node, started_at)."""
+    return [tuple(r) for r in db.query(
+        "SELECT r.id, r.job_id, r.node, r.started_at FROM runs r JOIN jobs j"
+        " ON j.id = r.job_id AND j.run_id = r.id JOIN nodes n ON n.name = j.node"
+        " WHERE j.state = 'RUNNING' AND n.state != 'disconnected'")]
+
+
+def last_activity(db, run_id, job_id, attempt):
+    """The times (ms) of a run's latest progress: points of keys that are not sys/*, and
+    its job's log lines — to rebuild STALLED's clock after a restart."""
+    pts = []
+    for (key_id,) in db.query("SELECT id FROM metric_keys WHERE run_id = ? AND key NOT LIKE"
+                              " 'sys/%' LIMIT 50", (run_id,)):
+        pts += [r[0] for r in db.query("SELECT ts FROM points WHERE key_id = ?"
+                                       " ORDER BY step DESC LIMIT 65", (key_id,))]
+    lines = [r[0] for r in db.query(
+        "SELECT DISTINCT ts FROM logs WHERE job_id = ? AND attempt = ? ORDER BY id DESC"
+        " LIMIT 65", (job_id, attempt))] if job_id is not None else []
+    return sorted(set(pts) | set(lines))

@@ -1,0 +1,171 @@
+"""The event engine end to end: a real server, metrics over REST, events over REST/SSE."""
+import json
+import math
+
+import pytest
+import requests
+
+from procs import ServerProc, wait_for
+
+
+@pytest.fixture
+def server(tmp_path):
+    made = []
+
+    def make(extra=""):
+        s = ServerProc(tmp_path / f"server{len(made)}")
+        with open(s.home / "server.toml", "a") as f:
+            f.write(extra)
+        made.append(s)
+        return s.start()
+    yield make
+    for s in made:
+        s.stop()
+
+
+def new_run(api):
+    return api.post("/api/v1/runs", {"name": "t", "source": "sdk"}, expect=201)["id"]
+
+
+def post_points(api, run_id, keys, points):
+    body = json.dumps({"keys": keys, "points": points})
+    r = api.session.post(f"{api.url}/api/v1/runs/{run_id}/metrics", data=body,
+                         headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def loss_points(lo, hi, ts=1_700_000_000_000):
+    return [[0, s, 0.5 + 2.0 * math.exp(-s / 100) * (1 + 0.01 * (s % 3)), ts + s] for s in
+            range(lo, hi)]
+
+
+def events_of(api, run_id, **q):
+    return api.get("/api/v1/events", params={"run": run_id, **q}, expect=200)["events"]
+
+
+def test_nan_spike_debounce_and_restart_without_duplicates(server):
+    s = server()
+    api = s.api
+    run = new_run(api)
+    post_points(api, run, ["train/loss"], loss_points(0, 200))
+    bad = loss_points(200, 210)
+    bad[3][2] = "NaN"
+    post_points(api, run, ["train/loss"], bad)
+    nan = wait_for(lambda: events_of(api, run, type="LOSS_NAN"), what="LOSS_NAN event")
+    assert len(nan) == 1
+    ev = nan[0]
+    assert ev["severity"] == "critical" and ev["step"] == 203 and ev["count"] == 1
+    assert ev["data"] == {"key": "train/loss", "value": "nan"}
+    assert "train/loss became nan at step 203" in ev["message"]
+
+    spike = loss_points(210, 260)
+    spike[20][2] = 40.0
+    post_points(api, run, ["train/loss"], spike)
+    sp = wait_for(lambda: events_of(api, run, type="LOSS_SPIKE"), what="LOSS_SPIKE")
+    assert sp[0]["step"] == 230 and sp[0]["data"]["value"] == 40.0
+
+    # more NaN within the debounce window: counted on the same event, not a new one
+    again = loss_points(260, 270)
+    again[0][2] = "Infinity"
+    post_points(api, run, ["train/loss"], again)
+    wait_for(lambda: events_of(api, run, type="LOSS_NAN")[0]["count"] == 2,
+             what="the repeat counted")
+
+    # a restart with full windows: the same points again and new NaN add no rows
+    s.restart()
+    api = s.api
+    post_points(api, run, ["train/loss"], bad)                    # a replay
+    post_points(api, run, ["train/loss"], loss_points(270, 300))  # rebuilds the window
+    nan2 = loss_points(300, 305)
+    nan2[1][2] = "NaN"
+    post_points(api, run, ["train/loss"], nan2)
+    wait_for(lambda: events_of(api, run, type="LOSS_NAN")[0]["count"] == 3,
+             what="the repeat after the restart counted")
+    rows = events_of(api, run)
+    assert [e["type"] for e in rows] == ["LOSS_NAN", "LOSS_SPIKE"]
+
+    # filters
+    assert events_of(api, run, severity="critical")[0]["type"] == "LOSS_NAN"
+    assert events_of(api, run, type="LOSS_SPIKE,LOSS_NAN", since="1h") == rows
+    assert events_of(api, run, since="2000-01-01T00:00:00Z") == rows
+
+
+def test_sdk_events_flood_is_bounded_and_counted(server):
+    s = server()
+    api = s.api
+    run = new_run(api)
+    for i in range(150):
+        api.post(f"/api/v1/runs/{run}/events", {"name": "tick", "data": {"i": i}}, expect=201)
+    for i in range(130):
+        api.post(f"/api/v1/runs/{run}/events", {"name": f"n{i}"}, expect=201)
+    rows = api.get("/api/v1/events", params={"run": run, "limit": 1000}, expect=200)["events"]
+    ticks = [e for e in rows if e["message"] == "tick"]
+    assert len(ticks) == 1 and ticks[0]["count"] == 150
+    users = [e for e in rows if e["type"] == "USER"]
+    flood = [e for e in rows if e["type"] == "USER_FLOOD"]
+    assert len(users) == 120 and len(flood) == 1
+    assert sum(e["count"] for e in users + flood) == 280          # nothing lost or doubled
+    assert "USER_FLOOD" in s.log_path.read_text() or "flood" in s.log_path.read_text()
+
+
+def test_stream_resumes_after_last_event_id_and_checks_it(server):
+    s = server()
+    api = s.api
+    run = new_run(api)
+    ids = [api.post(f"/api/v1/runs/{run}/events", {"name": f"e{i}"}, expect=201)["event_id"]
+           for i in range(3)]
+    headers = {"Authorization": f"Bearer {s.token}", "Last-Event-ID": str(ids[0])}
+    with requests.get(f"{s.url}/api/v1/events/stream", params={"run": run}, headers=headers,
+                      stream=True, timeout=10) as r:
+        assert r.status_code == 200
+        got = []
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("id: "):
+                got.append(int(line[4:]))
+            if len(got) == 2:
+                break
+    assert got == ids[1:]
+    for bad in (str(2**63), "-1", "abc"):
+        r = requests.get(f"{s.url}/api/v1/events/stream",
+                         headers={"Authorization": f"Bearer {s.token}", "Last-Event-ID": bad},
+                         timeout=10)
+        assert r.status_code == 400 and "Last-Event-ID" in r.json()["error"]["message"]
+    r = api.session.get(f"{s.url}/api/v1/events", params={"severity": "loud"}, timeout=10)
+    assert r.status_code == 400 and "info, warning, critical" in r.json()["error"]["message"]
+    r = api.session.get(f"{s.url}/api/v1/events", params={"since": "yesterday"}, timeout=10)
+    assert r.status_code == 400 and "30m" in r.json()["error"]["message"]
+
+
+def test_bad_events_settings_stop_the_server_with_a_sentence(tmp_path):
+    from gpuplane.app import create_app
+    from gpuplane.config import ConfigError
+    (tmp_path / "server.toml").write_text('[events]\nspike_z = "high"\n')
+    with pytest.raises(ConfigError, match="events.spike_z in server.toml must be a number"):
+        create_app(tmp_path, start_threads=False)
+    (tmp_path / "server.toml").write_text('[events]\nspike_zz = 3\n')
+    with pytest.raises(ConfigError, match="events.spike_zz in server.toml is not a setting"):
+        create_app(tmp_path, start_threads=False)
+
+
+def test_a_database_from_before_event_counts_gets_them(tmp_path):
+    import sqlite3
+    from gpuplane.db import MIGRATIONS, Database, events
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    mine = next(i for i, m in enumerate(MIGRATIONS) if "ADD COLUMN fingerprint" in m)
+    for i, script in enumerate(MIGRATIONS[:mine]):
+        conn.executescript(script + f"\nPRAGMA user_version={i + 1};")
+    conn.execute("INSERT INTO events (type, message, ts) VALUES ('NODE_UP', 'n1 up', 1)")
+    conn.commit()
+    conn.close()
+    db = Database(path)
+    old = events.query(db)[0]
+    assert old["count"] == 1 and old["fingerprint"] is None and old["message"] == "n1 up"
+    with db.tx() as c:
+        assert events.record(c, {"type": "LOSS_NAN", "run_id": 1, "fingerprint": "f"},
+                             60_000)[1]
+        assert events.record(c, {"type": "LOSS_NAN", "run_id": 1, "fingerprint": "f"},
+                             60_000) == (None, False)
+        assert events.record(c, {"type": "LOSS_NAN", "run_id": 1, "fingerprint": "g"},
+                             60_000)[1] is False
+    assert [e["count"] for e in events.query(db, run_id=1)] == [2]
