@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import backups, checkpoints, common, jobs, runs, semantic, status, tokens, up
+from . import backups, checkpoints, common, events, jobs, runs, semantic, status, tokens, up
 from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
                      EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
                      print_table)
@@ -34,6 +34,7 @@ COMMANDS = [
     semantic,   # diagnose, explain
     checkpoints,  # ckpt ..., project ..., exp ..., metric ..., import-run
     backups,    # backup, restore
+    events,     # events, event-hook
 ]
 
 EXIT_CODES_EPILOG = """\

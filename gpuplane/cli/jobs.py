@@ -201,7 +201,8 @@ def cmd_job_list(args):
 
 
 def cmd_job_show(args):
-    job = make_client(args).get_job(args.job_id)
+    client = make_client(args)
+    job = client.get_job(args.job_id)
     if args.json:
         print_json(job)
         return EXIT_OK
@@ -251,6 +252,8 @@ def cmd_job_show(args):
                      for a in attempts],
                     ["ATTEMPT", "RUN", "STATE", "NODE", "GPUS", "EXIT", "FAILURE",
                      "STARTED", "RAN"])
+    from .events import print_recent
+    print_recent(client, job=args.job_id)
     return EXIT_OK
 
 

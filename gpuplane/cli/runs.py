@@ -120,15 +120,17 @@ def cmd_run_show(args):
         print(f"  config: {text if len(text) <= 300 else text[:297] + '...'}")
     if not keys:
         print("no metrics yet")
-        return EXIT_OK
-    print()
-    rows = []
-    for k in keys:
-        latest, best = k.get("latest"), k.get("best")
-        rows.append([k["key"], _at(latest), _at(best), k["direction"], k["trend"],
-                     k["count"], k["sparkline"]])
-    print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
+    else:
+        print()
+        rows = []
+        for k in keys:
+            latest, best = k.get("latest"), k.get("best")
+            rows.append([k["key"], _at(latest), _at(best), k["direction"], k["trend"],
+                         k["count"], k["sparkline"]])
+        print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
                            "WHOLE RUN"])
+    from .events import print_recent
+    print_recent(client, run=run["id"])
     return EXIT_OK
 
 
