@@ -19,10 +19,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(home, port, threads=64):
-    """Start `gpuplane server` on home; returns (process, url, admin token)."""
+def start_server(home, port, threads=64, extra=""):
+    """Start `gpuplane server` on home; returns (process, url, admin token). `extra` is
+    appended to its server.toml (tables such as [events])."""
     home.mkdir(parents=True, exist_ok=True)
-    (home / "server.toml").write_text(f'host = "127.0.0.1"\nport = {port}\nthreads = {threads}\n')
+    (home / "server.toml").write_text(f'host = "127.0.0.1"\nport = {port}\nthreads = {threads}\n'
+                                      + extra)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.Popen(

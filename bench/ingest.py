@@ -8,6 +8,10 @@ beside the ceiling: a bare `executemany` of the same rows into the same `points`
 on a temp file, in the same run. Medians over --trials.
 
     .venv/bin/python bench/ingest.py [--clients 3] [--seconds 5] [--trials 3] [--batch N]
+
+With --compare-events a second server runs beside the first with the event engine off
+(`[events] enabled = false`); every trial measures both, in alternating order, and the
+table adds the ratio with / without the detector (goal >= 0.9).
 """
 import argparse
 import json
@@ -148,6 +152,8 @@ def main():
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--format", choices=("json", "binary", "both"), default="both",
                     help="wire format of the batches (docs/api.md)")
+    ap.add_argument("--compare-events", action="store_true",
+                    help="also measure a server with the event engine off, same trials")
     ap.add_argument("--batch", type=int, default=SDK_BATCH,
                     help="points per POST and rows per ceiling transaction "
                          "(default: the SDK's, %(default)s)")
@@ -160,6 +166,13 @@ def main():
         proc, url, token = start_server(home, free_port(), args.threads)
         db_path = home / "server" / "gpuctl.db"
         worker = worker_pid(proc.pid)
+        off = None
+        if args.compare_events:
+            home_off = pathlib.Path(tmp) / "home-no-events"
+            off = start_server(home_off, free_port(), args.threads,
+                               extra="[events]\nenabled = false\n")
+            off_db, off_worker = home_off / "server" / "gpuctl.db", worker_pid(off[0].pid)
+            no_events = {f: [] for f in formats}
         results = {f: ([], []) for f in formats}
         ceilings, cpu_ceilings = [], []
         try:
@@ -169,15 +182,26 @@ def main():
                 cpu_ceilings.append(ceil_cpu)
                 line = f"trial {t + 1}: ceiling {ceil:>9,.0f} rows/s"
                 for fmt in formats:
+                    if off and t % 2:       # alternate which server goes first
+                        rate_off = ingest_trial(off[1], off[2], off_db, args.clients,
+                                                args.seconds, off_worker, fmt, args.batch)[0]
                     rate, stored, sent, per_cpu = ingest_trial(
                         url, token, db_path, args.clients, args.seconds, worker, fmt,
                         args.batch)
+                    if off and not t % 2:
+                        rate_off = ingest_trial(off[1], off[2], off_db, args.clients,
+                                                args.seconds, off_worker, fmt, args.batch)[0]
                     results[fmt][0].append(rate)
                     results[fmt][1].append(per_cpu)
                     line += f"  {fmt} {rate:>9,.0f} points/s ({per_cpu:,.0f}/server CPU-s)"
+                    if off:
+                        no_events[fmt].append(rate_off)
+                        line += f" [events off {rate_off:,.0f}, ratio {rate / rate_off:.2f}]"
                 print(line, flush=True)
         finally:
             stop_server(proc)
+            if off:
+                stop_server(off[0])
         ceil, ceil_cpu = med(ceilings), med(cpu_ceilings)
         print(f"\ningest over REST ({args.clients} client processes, batches of {args.batch}, "
               f"1 gunicorn gthread worker), median of {args.trials}, {os.cpu_count()} cores:")
@@ -189,6 +213,13 @@ def main():
             print(f"  REST, {fmt:<6}       {rate:>10,.0f} points/s   {per_cpu:>10,.0f}"
                   f"   ratio {rate / ceil:.2f} x wall, {per_cpu / ceil_cpu:.2f} x CPU")
         print("  (goal: >= 0.5 x the raw ceiling and >= 300,000 points/s)")
+        if off:
+            print("\nwith the event engine vs without it (a second server, same trials):")
+            for fmt in formats:
+                ratios = [a / b for a, b in zip(results[fmt][0], no_events[fmt])]
+                print(f"  REST, {fmt:<6}  with {med(results[fmt][0]):>10,.0f}  without "
+                      f"{med(no_events[fmt]):>10,.0f} points/s   ratio median {med(ratios):.2f}"
+                      f" (range {min(ratios):.2f}-{max(ratios):.2f}; goal >= 0.9)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The event engine end to end: a real server, metrics over REST, events over REST/SSE."""
 import json
 import math
+import sys
 
 import pytest
 import requests
@@ -169,3 +170,29 @@ def test_a_database_from_before_event_counts_gets_them(tmp_path):
         assert events.record(c, {"type": "LOSS_NAN", "run_id": 1, "fingerprint": "g"},
                              60_000)[1] is False
     assert [e["count"] for e in events.query(db, run_id=1)] == [2]
+
+
+def test_job_log_oom_and_stall_from_a_real_agent(server, agent_factory, tmp_path):
+    s = server("[events]\nstall_min_s = 1\nstall_factor = 4\nstall_min_intervals = 3\n")
+    agent_factory(s)
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time, pathlib, sys\n"
+        "for i in range(8):\n"
+        "    print('step', i, flush=True); time.sleep(0.3)\n"
+        "print('RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
+        "while not pathlib.Path(sys.argv[1]).exists():\n"
+        "    time.sleep(0.05)\n")
+    release = tmp_path / "release"
+    job = s.api.submit([sys.executable, str(script), str(release)], tmp_path, gpus=1)
+    try:
+        oom = wait_for(lambda: s.api.get("/api/v1/events", params={
+            "job": job["id"], "type": "OOM"})["events"], what="OOM from the log")
+        assert oom[0]["severity"] == "critical" and "CUDA out of memory" in oom[0]["data"]["line"]
+        stall = wait_for(lambda: s.api.get("/api/v1/events", params={
+            "job": job["id"], "type": "STALLED"})["events"], what="STALLED")
+        assert stall[0]["data"]["silent_s"] >= 1 and stall[0]["run_id"] is not None
+        assert "may be hung" in stall[0]["message"]
+    finally:
+        release.touch()
+    s.api.wait_job(job["id"])
