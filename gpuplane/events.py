@@ -259,7 +259,7 @@ class Engine(Worker):
         progress = False
         for i, key in enumerate(keys):
             kind, base = _classify(key)
-            progress = progress or kind != "sys"
+            progress = progress or not key.startswith("sys/")   # sys/* comes while hung too
             if kind == "sys":
                 continue
             if kind == "train":

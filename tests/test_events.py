@@ -178,8 +178,8 @@ def test_job_log_oom_and_stall_from_a_real_agent(server, agent_factory, tmp_path
     script = tmp_path / "job.py"
     script.write_text(
         "import time, pathlib, sys\n"
-        "for i in range(8):\n"
-        "    print('step', i, flush=True); time.sleep(0.3)\n"
+        "for i in range(25):\n"
+        "    print('step', i, flush=True); time.sleep(0.2)\n"
         "print('RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
         "while not pathlib.Path(sys.argv[1]).exists():\n"
         "    time.sleep(0.05)\n")
@@ -189,8 +189,11 @@ def test_job_log_oom_and_stall_from_a_real_agent(server, agent_factory, tmp_path
         oom = wait_for(lambda: s.api.get("/api/v1/events", params={
             "job": job["id"], "type": "OOM"})["events"], what="OOM from the log")
         assert oom[0]["severity"] == "critical" and "CUDA out of memory" in oom[0]["data"]["line"]
-        stall = wait_for(lambda: s.api.get("/api/v1/events", params={
-            "job": job["id"], "type": "STALLED"})["events"], what="STALLED")
+        try:
+            stall = wait_for(lambda: s.api.get("/api/v1/events", params={
+                "job": job["id"], "type": "STALLED"})["events"], timeout=60, what="STALLED")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{s.log_path.read_text()[-4000:]}") from None
         assert stall[0]["data"]["silent_s"] >= 1 and stall[0]["run_id"] is not None
         assert "may be hung" in stall[0]["message"]
     finally:
