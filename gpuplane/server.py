@@ -135,4 +135,6 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
         "post_worker_init": _post_worker_init,
         "worker_exit": _worker_exit,
     }
-    _Gunicorn(home, options, {"threads": threads}).run()
+    # host and port as really bound, not as server.toml says: the gateway hands jobs
+    # GPUCTL_SERVER from them (unless public_url is set, for agents on other hosts).
+    _Gunicorn(home, options, {"threads": threads, "host": host, "port": port}).run()

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -679,3 +680,40 @@ def test_run_show_accepts_a_job(stack, tmp_path):
         assert json.loads(out)["run"]["id"] == run_id
     code, _, err = run_cli(stack, "run", "show")
     assert code == cli.EXIT_USAGE and "--job ID" in err
+
+
+def test_up_on_another_port_than_server_toml_hands_jobs_the_real_address(tmp_path):
+    """Issue 9 items 16, 17 and 1/4: `up --port P` on a home whose server.toml names
+    another port: jobs get P in GPUCTL_SERVER, the hints name the address, and a host
+    without an NVIDIA driver gets pretend GPUs, said on the terminal."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "server.toml").write_text(f"port = {free_port()}\n")
+    port = free_port()
+    out_path = tmp_path / "up.out"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port", str(port),
+             "--name", "portnode"], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait("`up` to be ready", lambda: proc.poll() is not None
+              or "Press Ctrl-C" in out_path.read_text(), 60)
+        text = out_path.read_text()
+        assert proc.poll() is None, text
+        url = f"http://127.0.0.1:{port}"
+        assert f"gpuplane --home {home} --server {url} token show-admin" in text
+        from agent import GpuProbe   # what the agent itself would find
+        if not GpuProbe(0).nvml:
+            assert "NOTE: " in text and "pretends this host has 2 GPUs" in text
+            assert "--fake-gpus 0" in text and "node portnode: 2 GPUs (fake)" in text
+        token = config.load_server_config(home)["admin_token"]
+        c = client.Client(url, token)
+        job = c.submit_job("echo $GPUCTL_SERVER", str(tmp_path), cpu_only=True)
+        _wait("the job", lambda: c.get_job(job["id"])["state"] == "SUCCEEDED")
+        assert [ln["text"] for ln in c.logs(job["id"])["lines"]] == [url]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == cli.EXIT_INTERRUPTED      # Ctrl-C: 130, as documented
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
