@@ -56,6 +56,25 @@ def show(run_id):
     return run_or_404(run_id)
 
 
+@bp.post("/runs/<int:run_id>/init")
+@requires("run")
+def sdk_init(run_id):
+    """`run.init(project=, experiment=, name=, config=)` inside a job: merged into the
+    job's run where the job did not say otherwise (docs/sdk.md)."""
+    run_or_404(run_id)
+    data = body()
+    config = field(data, "config", dict, None, nullable=True)
+    if config is not None and len(dumps(config)) > 1_000_000:
+        raise BadRequest("'config' is larger than 1 MB; log big things as files")
+    with current_db().tx() as c:
+        runs.adopt_sdk_init(
+            c, run_id, config=config,
+            project=field(data, "project", str, None, max_len=200, nullable=True),
+            experiment=field(data, "experiment", str, None, max_len=200, nullable=True),
+            name=field(data, "name", str, None, max_len=200, nullable=True))
+    return runs.get(current_db(), run_id)
+
+
 @bp.post("/runs/<int:run_id>/finish")
 @requires("run")
 def finish(run_id):

@@ -82,3 +82,33 @@ def update_meta(conn, run_id, *, config=None, tags=None, name=None):
         conn.execute("UPDATE runs SET tags = ? WHERE id = ?", (dumps(tags), run_id))
     if name is not None:
         conn.execute("UPDATE runs SET name = ? WHERE id = ?", (name, run_id))
+
+
+def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, config=None):
+    """What `run.init(...)` inside a job says about the job's run. The job's own settings
+    win: config keys merge in only where the run has none, and project / experiment /
+    name are set only where the job left them at their defaults."""
+    row = conn.execute("SELECT project, experiment, name, config FROM runs WHERE id = ?",
+                       (run_id,)).fetchone()
+    if row is None:
+        return
+    sets, args = [], []
+    if config:
+        merged = {**config, **loads(row["config"], {})}
+        sets.append("config = ?")
+        args.append(dumps(merged))
+    new_project = project if project and row["project"] in (None, "", "default") else None
+    new_experiment = experiment if experiment and not row["experiment"] else None
+    if new_project or new_experiment:
+        projects.ensure(conn, new_project or row["project"], new_experiment or row["experiment"])
+    if new_project:
+        sets.append("project = ?")
+        args.append(new_project)
+    if new_experiment:
+        sets.append("experiment = ?")
+        args.append(new_experiment)
+    if name and not row["name"]:
+        sets.append("name = ?")
+        args.append(name)
+    if sets:
+        conn.execute(f"UPDATE runs SET {', '.join(sets)} WHERE id = ?", (*args, run_id))

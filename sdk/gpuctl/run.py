@@ -73,8 +73,9 @@ def init(project="default", experiment="", name="", config=None, server=None, to
 
     1. *attached*: ``GPUCTL_RUN_ID`` is set (the process is a GPUPlane job). The run is
        the job's; ``GPUCTL_SERVER`` and ``GPUCTL_TOKEN`` say where to send. ``config`` is
-       merged into the run's config on the server (beside the job's command line).
-       Returns that id.
+       merged into the run's config on the server (beside the job's command line), and
+       ``project`` / ``experiment`` / ``name`` are set where the job left them unset;
+       the job's own settings win. Returns that id.
     2. *registered*: a server and a token are given here or in ``GPUCTL_SERVER`` /
        ``GPUCTL_TOKEN``. A run with ``source=sdk`` is created with ``POST /api/v1/runs``
        and its id returned.
@@ -100,34 +101,106 @@ def init(project="default", experiment="", name="", config=None, server=None, to
             r.info = {"project": project or "default", "experiment": experiment or "",
                       "name": name or "", "config": config}
             env_run = os.environ.get("GPUCTL_RUN_ID")
+            given = bool(server or token or os.environ.get("GPUCTL_SERVER")
+                         or os.environ.get("GPUCTL_TOKEN"))
             r.server = (server or os.environ.get("GPUCTL_SERVER") or "").rstrip("/") or None
             r.token = token or os.environ.get("GPUCTL_TOKEN") or None
+            if not env_run and not given:
+                # On the server's own host, with nothing given: its server, as the CLI does.
+                r.server, r.token = _local_server()
+            if r.server and "://" not in r.server:
+                r.server = "http://" + r.server
+            outcome = None
             if env_run:
                 r.mode, r.run_id = "attached", env_run
             else:
                 run_id = None
                 if r.server and r.token:
-                    run_id, _ = _sender.register(r.server, r.token, r.info)
+                    run_id, outcome = _sender.register(r.server, r.token, r.info)
                 if run_id is not None:
                     r.mode, r.run_id = "registered", str(run_id)
                 else:
                     r.mode = "local"
                     r.run_id = "local-%d-%d" % (os.getpid(), _time_ns() // 1_000_000)
+                    if given:
+                        _warn_local(r, outcome)
             header = {"t": "run", "run_id": r.run_id, "mode": r.mode, "server": r.server,
                       "pid": os.getpid(), "created_at": _time_ns() // 1_000_000}
             header.update(r.info)
             r.spool = _spool.OwnSpool(_spool.spool_path(r.run_id), header)
             r.sender = _sender.Sender(r)
             r.state = "running"
+            if r.mode == "attached":
+                _send_init_to_job_run(project, experiment, name, config)
             r.sender.start()
-            if r.mode == "attached" and config:
-                # a job's run exists already: its hyperparameters join the config it has
-                # (the command line) on the server
-                _enqueue_control("config", json.dumps({"config": config}, default=str))
             return None if r.mode == "local" else r.run_id
     except Exception:
         _error()
         return None
+
+
+def _send_init_to_job_run(project, experiment, name, config):
+    # Inside a job, what init was told goes to the job's run; the server keeps the job's
+    # own settings where both exist (docs/sdk.md).
+    body = {}
+    if project and project != "default":
+        body["project"] = str(project)
+    if experiment:
+        body["experiment"] = str(experiment)
+    if name:
+        body["name"] = str(name)
+    if config:
+        body["config"] = config
+    if body:
+        _enqueue_control("init", json.dumps(body, default=str))
+
+
+def _local_server():
+    """(url, admin token) of the server whose home is $GPUCTL_HOME (else ~/.gpuctl) on
+    this host, or (None, None)."""
+    try:
+        import tomllib
+    except ImportError:      # Python < 3.11: no TOML reader in the standard library
+        return None, None
+    home = os.environ.get("GPUCTL_HOME") or os.path.join(os.path.expanduser("~"), ".gpuctl")
+    try:
+        with open(os.path.join(home, "server.toml"), "rb") as f:
+            cfg = tomllib.load(f)
+    except Exception:
+        return None, None
+    token, port = cfg.get("admin_token"), cfg.get("port") or 8600
+    host = cfg.get("host") or "127.0.0.1"
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = "[%s]" % host
+    if not isinstance(token, str) or not token:
+        return None, None
+    return "http://%s:%s" % (host, port), token
+
+
+_REASONS = {_sender.DENIED: "the token was refused", _sender.RETRY: "no answer",
+            _sender.DROP: "the server refused the request"}
+
+
+def _warn_local(r, outcome):
+    """A server or token was given and does not work: say so once, count it, go on."""
+    _error()
+    if r.server and r.token:
+        why = "%s from %s" % (_REASONS.get(outcome, "no run was created"), r.server)
+    elif r.server:
+        why = "a server (%s) was given but no token (set GPUCTL_TOKEN)" % r.server
+    else:
+        why = "a token was given but no server (set GPUCTL_SERVER)"
+    try:
+        import sys
+        sys.stderr.write("gpuctl: logging locally for now: %s. What is logged waits in "
+                         "the spool ($GPUCTL_HOME/spool/) and is sent when the server "
+                         "answers (this process keeps trying; a later run replays it).\n"
+                         % why)
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 def _auto_init():
@@ -295,7 +368,8 @@ def finish(status="SUCCEEDED"):
             r = _run
             if r.state != "running":
                 return
-            if r.mode == "registered":
+            if r.mode in ("registered", "local"):
+                # A local run's finish goes to the spool, so its replay ends the run too.
                 _enqueue_control("finish", json.dumps({"status": str(status)}))
             r.state = "finishing"
         _stop(r, FLUSH_AT_EXIT_S)
@@ -351,6 +425,13 @@ def _at_exit():
     try:
         r = _run
         if r.state == "running" and r.sender is not None:
+            if r.mode in ("registered", "local"):
+                # Ended without finish(): FAILED, and an event saying where it stopped.
+                _enqueue_control("event", json.dumps({
+                    "name": "exited_without_finish", "step": max(r.last_step, 0),
+                    "data": {"last_step": r.last_step}, "ts": _time_ns() // 1_000_000}))
+                _enqueue_control("finish", json.dumps(
+                    {"status": "FAILED", "reason": "the process ended without run.finish()"}))
             r.state = "finishing"
             _stop(r, FLUSH_AT_EXIT_S)
     except Exception:

@@ -35,10 +35,14 @@ RETRY_MAX_S = 30.0
 FOREIGN_SCAN_S = 30.0
 
 OK, RETRY, DROP, DENIED = "ok", "retry", "drop", "denied"
+# What a run whose process ended without finish() is finished as.
+CRASHED_FINISH = json.dumps({"status": "FAILED", "reason": "the process ended without "
+                             "run.finish()"})
 _SEQ = operator.itemgetter(0)
 
 _PATHS = {"metrics": "metrics", "checkpoint": "checkpoints", "event": "events",
-          "finish": "finish", "config": "config"}
+          "finish": "finish", "init": "init",
+          "config": "config"}   # "config": spool files written before "init" existed
 
 
 def _session(token, server):
@@ -463,10 +467,12 @@ class Sender(threading.Thread):
                     self._skip.add(f.path)  # this token may not create runs
                     return True
                 f.advance(0, run_id=target)
+        finished = False
         rec = first
         while rec is not None:
             end, body = rec
             kind = body.get("t")
+            finished = finished or kind == "finish"
             if kind in _PATHS:
                 payload = json.dumps(body.get("body"))
                 outcome = self._deliver(target, kind, payload)
@@ -480,5 +486,12 @@ class Sender(threading.Thread):
                     r.errors += 1
             f.advance(end)
             rec = next(records, None)
+        if not finished and header.get("mode") != "attached":
+            # Its process is gone (the file is no longer locked) and never said finish():
+            # it crashed or was killed. A job's run is ended by its agent instead.
+            outcome = self._deliver(target, "finish", CRASHED_FINISH)
+            if outcome == RETRY:
+                self._failed()
+                return False
         f.remove()
         return True
