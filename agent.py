@@ -785,6 +785,7 @@ class Launcher:
         self.wake = wake
         self.err_path = err_path
         self._spare = None          # (Popen, create time) of a shim waiting for a dir
+        self.spare_due = 0.0        # when to start the next spare (monotonic)
 
     def _spawn(self):
         with open(self.err_path, "ab", opener=_private_opener) as err:
@@ -816,7 +817,8 @@ class Launcher:
                 if attempt == 2:
                     raise       # the attempt ends LOST: no shim, no exit status
                 spare = self._spawn()       # the spare died just now
-        self._spare = self._spawn()
+        # the next spare starts from the runner loop (keep_spare), SPARE_DELAY_S later
+        self.spare_due = time.monotonic() + SPARE_DELAY_S
         # The shim writes one line once the command runs and closes the pipe when it
         # exits: both wake the runner, so nothing here polls for a start or an exit.
         threading.Thread(target=self._wait, args=(att,), daemon=True,
@@ -834,6 +836,15 @@ class Launcher:
         finally:
             att.shim_gone = True
             self.wake()
+
+    def keep_spare(self, now):
+        """Start a spare shim when due. -> monotonic time of the next check (or None)."""
+        if self._spare is not None and self._spare[0].poll() is None:
+            return None
+        if now < self.spare_due:
+            return self.spare_due
+        self._spare = self._spawn()
+        return None
 
     def close(self):
         spare, self._spare = self._spare, None
@@ -1361,6 +1372,7 @@ LOG_POLL_MIN_S = 0.05         # a busy log is read this often ...
 LOG_POLL_MAX_S = 1.0          # ... a quiet one backs off to this
 ADOPTED_CHECK_S = 1.0         # liveness of jobs we did not launch (no waiter): polled
 IDLE_WAKE_S = 30.0            # nothing running: wake this often anyway (retention, ...)
+SPARE_DELAY_S = 0.0           # after a launch, the next spare starts at once (measured: later is worse)
 LOG_READ_BYTES = 4 * 1024 * 1024
 BACKLOG_MAX_BYTES = 32 * 1024 * 1024   # per attempt: unacked log + metric bytes in the spool
 
@@ -1615,6 +1627,9 @@ class Runner(Worker):
                 self.active.pop(key, None)
             self._run_commands()        # a start never waits behind another job's backlog
         self._publish()
+        spare = self.launcher.keep_spare(time.monotonic())
+        if spare is not None:
+            due = min(due, spare)
         if now >= self._next_retention:
             self._next_retention = now + 3600
             self.remove_old_attempts()
@@ -1985,8 +2000,8 @@ def shim_command():
 # Reads the TFRecord framing itself so CRCs are checked in C (google-crc32c) instead of
 # tensorboard's pure-Python loop; decodes with tensorboard's own protos.
 
-# tensorboard's protos and a C CRC32C are imported on first use, so the shim (which
-# imports this file) and hosts without TensorBoard jobs stay light.
+# tensorboard's protos and a C CRC32C are imported on first use, so the agent of a host
+# whose jobs write no TensorBoard files stays light.
 event_pb2 = None
 _crc32c = None
 TB_CRC32C = None

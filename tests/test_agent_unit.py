@@ -526,6 +526,9 @@ def test_sync_message_lists_running_and_known(tmp_path, hosts):
     h.runner.handle_start(start_msg(16, [PY, "sleepy.py"], tmp_path, attempt=2))
     h.wait_exited(15)
     wait_until(lambda: job_records(h.outbox, 16, "RUNNING"), what="RUNNING")
+    # an attempt whose EXITED is in the outbox stays listed until its `reported` marker
+    # is written a moment later (harmless: the server waits for that EXITED)
+    wait_until(lambda: len(h.runner.sync_message()["running"]) == 1, what="15 reported")
     msg = h.runner.sync_message()
     assert msg["type"] == "sync"
     assert msg["known"] == [[15, 1], [16, 2]]
