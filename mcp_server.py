@@ -29,6 +29,7 @@ from gpuplane.client import ApiError, Client, ServerUnreachable
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 WAIT_POLL_S = 1.0
 WAIT_MAX_S = 1800
+WAIT_EVENTS = 50             # wait_for_job returns at most the last 50 events it saw
 WHOAMI_TTL_S = 30
 MAX_CALLERS = 64
 
@@ -134,7 +135,9 @@ class WaitOut(Out):
     reached: bool = Field(description="true when the job reached what was waited for")
     timed_out: bool
     waited_s: float
-    events: list[dict[str, Any]] = Field(description="events of the job that arrived while waiting")
+    events: list[dict[str, Any]] = Field(description="the job's events that arrived while "
+                                                     "waiting (the last 50)")
+    events_total: int = Field(0, description="how many arrived in all")
     next_actions: list[NextAction]
 
 
@@ -235,9 +238,10 @@ class Gpuplane:
                 "start it (`gpuplane up` or `gpuplane server`) or point GPUCTL_SERVER at it, "
                 "then call the tool again") from None
         if e.status == 401:
-            raise ToolFailure(
-                f"Unauthorized: the server refused the token ({e.message}); give "
-                "gpuplane-mcp a valid token in GPUCTL_TOKEN or --token") from None
+            fix = ("send a valid one in the Authorization header" if _caller_token.get()
+                   else "give gpuplane-mcp a valid token in GPUCTL_TOKEN or --token")
+            raise ToolFailure(f"Unauthorized: the server refused the token ({e.message}); "
+                              f"{fix}") from None
         if e.code == "WriteScopeError":
             raise ToolFailure(f"WriteScopeError: {e.message}") from None
         if _route_missing(e):
@@ -352,12 +356,13 @@ class Gpuplane:
         job = self.call("show a job", self.client.get_job, job_id)
         first_state = job["state"]
         after = self._last_event_id(job)
-        seen = []
+        seen, total = [], 0
         while True:
             new = self._job_events(job, after)
             if new:
                 after = new[-1]["id"]
-                seen += new
+                total += len(new)
+                seen = (seen + new)[-WAIT_EVENTS:]
             state = job["state"]
             reached = (state in FINAL if until == "end"
                        else state not in ("QUEUED", "DISPATCHED") if until == "running"
@@ -381,6 +386,7 @@ class Gpuplane:
                             timeout_s=timeout_s, until=until))
         return WaitOut(job_id=job_id, state=state, reached=reached, timed_out=timed_out,
                        waited_s=round(time.monotonic() - start, 2), events=seen,
+                       events_total=total,
                        run_id=run_id, next_actions=acts)
 
     def _last_event_id(self, job):
