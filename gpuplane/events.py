@@ -116,6 +116,7 @@ class Engine(Worker):
         self._next_stall = 0.0
         self._user = {}                 # (run, minute) -> distinct SDK event names
         self._user_lock = threading.Lock()
+        self._user_recent = {}          # (run, name) -> [event id, until, pending count]
         self.stats = {"handoffs": 0, "dropped": 0, "findings": 0, "stored": 0}
         self.started_ms = now_ms()
 
@@ -205,7 +206,19 @@ class Engine(Worker):
             return [event_id]
         return []
 
+    def _flush_user_locked(self):
+        pending = [v for v in self._user_recent.values() if v[2]]
+        if pending:
+            with self.db.tx() as c:
+                for v in pending:
+                    db_events.add_count(c, v[0], v[2])
+                    v[2] = 0
+        now = time.monotonic()
+        self._user_recent = {k: v for k, v in self._user_recent.items() if v[1] > now}
+
     def _flush_counts(self):
+        with self._user_lock:
+            self._flush_user_locked()
         now = time.monotonic()
         pending = [(k, v) for k, v in self._recent.items() if v[2]]
         if pending:
@@ -419,6 +432,14 @@ class Engine(Worker):
             flood = name not in names and len(names) >= USER_EVENTS_PER_MIN
             if not flood:
                 names.add(name)
+            # a repeat inside the window is only counted here; the engine thread adds the
+            # counts to the row each tick, so a flood costs no SQL per call
+            dkey = (run["id"], None if flood else name)
+            hit = self._user_recent.get(dkey)
+            if hit and hit[1] > time.monotonic():
+                hit[2] += 1
+                self._wake.set()
+                return hit[0], False
         if flood:
             ev = {"type": "USER_FLOOD", "severity": "warning", "run_id": run["id"],
                   "job_id": run.get("job_id"), "node": run.get("node"),
@@ -431,6 +452,12 @@ class Engine(Worker):
                   "data": {"name": name, **(data or {})}, "step": step, "ts": ts}
         with self.db.tx() as c:
             event_id, added = db_events.record(c, ev, self.window_ms)
+        if event_id is not None:
+            with self._user_lock:
+                if len(self._user_recent) > 100_000:
+                    self._flush_user_locked()
+                self._user_recent.setdefault(
+                    dkey, [event_id, time.monotonic() + self.window_ms / 1000, 0])
         if added:
             if flood:
                 log.warning("run %s: SDK event flood; counting further events on event %s",

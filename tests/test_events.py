@@ -99,7 +99,10 @@ def test_sdk_events_flood_is_bounded_and_counted(server):
         api.post(f"/api/v1/runs/{run}/events", {"name": "tick", "data": {"i": i}}, expect=201)
     for i in range(130):
         api.post(f"/api/v1/runs/{run}/events", {"name": f"n{i}"}, expect=201)
-    rows = api.get("/api/v1/events", params={"run": run, "limit": 1000}, expect=200)["events"]
+    def counted():
+        rows = api.get("/api/v1/events", params={"run": run, "limit": 1000})["events"]
+        return sum(e["count"] for e in rows if e["type"] != "STARTED") == 280 and rows
+    rows = wait_for(counted, what="every SDK event counted")    # counts land each tick
     ticks = [e for e in rows if e["message"] == "tick"]
     assert len(ticks) == 1 and ticks[0]["count"] == 150
     users = [e for e in rows if e["type"] == "USER"]
@@ -199,3 +202,23 @@ def test_job_log_oom_and_stall_from_a_real_agent(server, agent_factory, tmp_path
     finally:
         release.touch()
     s.api.wait_job(job["id"])
+
+
+def test_ten_thousand_sdk_events_in_a_second_are_bounded_and_counted(tmp_path, caplog):
+    import time
+    from gpuplane.db import Database, events as db_events
+    from gpuplane.events import Engine
+    db = Database(tmp_path / "gpuctl.db")
+    engine = Engine(db, {})
+    run = {"id": 1, "job_id": None, "node": None}
+    t0 = time.monotonic()
+    for i in range(10_000):
+        engine.record_user_event(run, f"e{i % 500}" if i % 2 else "tick", {"i": i}, i, None)
+    took = time.monotonic() - t0
+    engine.tick()           # the engine thread's flush of the counts
+    rows = db_events.query(db, run_id=1, limit=10_000)
+    assert len(rows) == 121                                  # 120 names + one USER_FLOOD
+    assert sum(r["count"] for r in rows) == 10_000           # every call counted, once
+    assert [r for r in rows if r["message"] == "tick"][0]["count"] == 5000
+    assert "SDK event flood" in caplog.text
+    print(f"10,000 SDK events recorded in {took:.2f} s")

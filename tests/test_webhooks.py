@@ -170,3 +170,12 @@ def test_bad_webhook_config_names_the_entry_and_key():
         with pytest.raises(webhooks.WebhookConfigError) as e:
             webhooks.parse_webhooks(bad)
         assert words in str(e.value)
+
+
+def test_a_bad_webhook_in_server_toml_stops_the_server_with_a_sentence(tmp_path):
+    from gpuplane.app import create_app
+    from gpuplane.config import ConfigError
+    (tmp_path / "server.toml").write_text('[[webhooks]]\nurl = "https://ntfy.sh/t"\n'
+                                          'kind = "ntfy"\nmin_severity = "urgent"\n')
+    with pytest.raises(ConfigError, match=r"webhooks\[0\] in server.toml: min_severity"):
+        create_app(tmp_path, start_threads=False)
