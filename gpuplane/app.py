@@ -15,18 +15,22 @@ STATIC = pathlib.Path(__file__).resolve().parent.parent / "static"
 def create_app(home=None, start_threads=True, **overrides):
     home = config_mod.home_dir(home)
     cfg, created = config_mod.ensure_server_config(home)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    config_mod.check_server_config(cfg)
+    cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
+    cfg = config_mod.check_server_config(cfg)
+    if cfg.unknown:
+        log.warning("%s: unknown setting(s) %s, ignored; the settings are listed in "
+                    "docs/architecture.md (gpuplane/config.py)", cfg.path,
+                    ", ".join(cfg.unknown))
     db = Database(home / "server" / "gpuctl.db")
-    tokens.create(db, tokens.SERVER_ADMIN, "admin", secret=cfg["admin_token"])
+    tokens.create(db, tokens.SERVER_ADMIN, "admin", secret=cfg.admin_token)
     # An admin token that server.toml no longer holds was rotated out: revoke it.
-    for name in tokens.revoke_old_admin(db, cfg["admin_token"]):
+    for name in tokens.revoke_old_admin(db, cfg.admin_token):
         log.warning("revoked %s: server.toml holds another admin token now", name)
 
     app = Flask(__name__, static_folder=None)
     app.config.update(
         DB=db, GPUPLANE=cfg, HOME=home,
-        MAX_CONTENT_LENGTH=int(cfg["max_body_mb"]) * 1024 * 1024,
+        MAX_CONTENT_LENGTH=cfg.max_body_mb * 1024 * 1024,
         SOCK_SERVER_OPTIONS={"ping_interval": 25, "max_message_size": 8 * 1024 * 1024},
         JSON_SORT_KEYS=False,
     )

@@ -164,7 +164,7 @@ class Gateway:
             if hello is None or hello.get("type") != "hello":
                 raise ProtocolError("the first message must be hello")
             conn = self._on_hello(ws, hello)
-            hb = float(self.cfg["heartbeat_s"])
+            hb = self.cfg.heartbeat_s
             while True:
                 msg = self._receive(ws, timeout=1.0)
                 if msg is None:
@@ -230,7 +230,7 @@ class Gateway:
         if old is not None:
             old.close(4409, "replaced by a newer connection of the same node")
         conn.send({"type": "welcome", "node": node, "epoch": epoch, "cursor": cursor,
-                   "heartbeat_s": self.cfg["heartbeat_s"]})
+                   "heartbeat_s": self.cfg.heartbeat_s})
         log.info("node %s connected (epoch %s, cursor %d, %d GPUs)", node, epoch[:8], cursor,
                  len(gpus))
         return conn
@@ -318,7 +318,7 @@ class Gateway:
             raise ValueError(f"unknown job state {rec['state']!r}")
         if kind == "log":
             added = logs.append(c, int(rec["job_id"]), int(rec["attempt"]), rec["lines"],
-                                keep=int(self.cfg["log_keep_lines"]))
+                                keep=self.cfg.log_keep_lines)
             if added and self.events:
                 self.events.offer_log(int(rec["job_id"]), int(rec["attempt"]), rec["lines"])
             return bool(added)

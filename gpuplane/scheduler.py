@@ -40,7 +40,7 @@ class Scheduler(Worker):
         self.schedule()
 
     def expire_lost_nodes(self):
-        grace_s = float(self.cfg["node_grace_s"])
+        grace_s = self.cfg.node_grace_s
         cutoff = now_ms() - grace_s * 1000
         for node in nodes.list_nodes(self.db):
             if node["state"] != "disconnected" or (node["disconnected_at"] or 0) > cutoff:

@@ -103,8 +103,8 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
         lock = lock_home(home)     # noqa: F841 (held until exit); before touching anything
         cfg, created = config_mod.ensure_server_config(home, host=host, port=port)
         if threads:
-            cfg["threads"] = int(threads)
-        config_mod.check_server_config(cfg)
+            cfg = cfg.replace(threads=int(threads))
+        cfg = config_mod.check_server_config(cfg)
     except (config_mod.ConfigError, AlreadyRunning) as e:
         print(f"gpuplane: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,114 @@
+"""gpuplane/scheduler.py without a server: placement, why a job waits, and a tick on a
+real SQLite file (dispatches go through the lifecycle to a recording agent stand-in)."""
+import pytest
+
+from gpuplane.config import ServerConfig
+from gpuplane.db import Database, jobs, now_ms
+from gpuplane.lifecycle import Lifecycle
+from gpuplane.scheduler import Scheduler
+
+place, why = Scheduler._place, Scheduler._why_waiting
+
+
+def job(gpus=1, cpu_only=False):
+    return {"gpus": gpus, "cpu_only": cpu_only}
+
+
+def node(name, ngpus, state="connected"):
+    return {"name": name, "gpus": [{"index": i} for i in range(ngpus)], "state": state}
+
+
+def test_best_fit_takes_the_node_with_the_fewest_free_gpus_that_hold_the_job():
+    free = {"big": ([0, 1, 2, 3], 4), "small": ([1], 4), "mid": ([0, 2], 4)}
+    assert place(job(1), free) == ("small", [1])
+    assert place(job(2), free) == ("mid", [0, 2])
+    assert place(job(3), free) == ("big", [0, 1, 2])
+    assert place(job(5), free) == (None, None)
+
+
+def test_cpu_jobs_go_where_most_cpu_slots_are_free():
+    assert place(job(0, True), {"a": ([], 1), "b": ([0], 3)}) == ("b", [])
+    assert place(job(0, True), {"a": ([0, 1], 0)}) == (None, None)
+
+
+@pytest.mark.parametrize("j, nodes, says", [
+    (job(1), [], "no agent has connected yet"),
+    (job(4), [node("a", 2)], "needs 4 GPUs on one node; the largest node (a) has 2"),
+    (job(2), [node("a", 2, "disconnected")], "no connected node has 2 GPUs"),
+    (job(2), [node("a", 2)], "waiting for 2 free GPU(s) on one node"),
+    (job(0, True), [node("a", 0, "disconnected")], "no node is connected"),
+    (job(0, True), [node("a", 0)], "waiting for a free CPU slot"),
+])
+def test_why_waiting(j, nodes, says):
+    assert says in why(j, nodes)
+
+
+class Agents:
+    def __init__(self):
+        self.started = []
+
+    def start(self, job, token):
+        self.started.append((job["id"], job["node"], job["gpu_indices"]))
+
+    def cancel(self, node, job_id, attempt):
+        pass
+
+
+@pytest.fixture
+def world(tmp_path):
+    db = Database(tmp_path / "gpuctl.db")
+    agents = Agents()
+    lc = Lifecycle(db, agents=agents)
+    connected = {"n1"}
+    sched = Scheduler(db, lc, ServerConfig(home=str(tmp_path), node_grace_s=5),
+                      is_connected=lambda n: n in connected)
+    lc.bind(wake=sched.wake)
+    lc.node_up({"node": "n1", "epoch": "e", "gpus": [{"index": 0}, {"index": 1}]})
+    lc.node_synced("n1")
+    return db, lc, sched, agents, connected
+
+
+def spec(name, gpus=1, priority=0):
+    return {"name": name, "command": ["true"], "working_dir": "/w", "gpus": gpus,
+            "cpu_only": gpus == 0, "priority": priority, "max_attempts": 2, "env": {},
+            "project": "default", "experiment": ""}
+
+
+def test_a_tick_fills_free_slots_by_priority_and_says_why_the_rest_wait(world):
+    db, lc, sched, agents, _ = world
+    low = lc.submit(spec("low"))
+    big = lc.submit(spec("big", gpus=2))
+    high = lc.submit(spec("high", priority=5))
+    sched.tick()
+    # high first, then big cannot fit in the one GPU left, low (behind it) can.
+    assert [a[0] for a in agents.started] == [high["id"], low["id"]]
+    assert sorted(g for a in agents.started for g in a[2]) == [0, 1]
+    waiting = jobs.get(db, big["id"])
+    assert waiting["state"] == "QUEUED"
+    assert waiting["pending_reason"] == "waiting for 2 free GPU(s) on one node"
+    sched.tick()                                   # nothing freed: nothing sent twice
+    assert len(agents.started) == 2
+
+
+def test_a_node_without_a_live_connection_gets_nothing(world):
+    db, lc, sched, agents, connected = world
+    connected.clear()
+    lc.submit(spec("x"))
+    sched.tick()
+    assert agents.started == []
+
+
+def test_a_node_gone_past_grace_has_its_jobs_declared_lost(world):
+    db, lc, sched, agents, connected = world
+    j = lc.submit(spec("x"))
+    sched.tick()
+    lc.started(j["id"], 1)
+    lc.node_down("n1")
+    connected.clear()
+    sched.expire_lost_nodes()                      # within grace: nothing happens
+    assert jobs.get(db, j["id"])["state"] == "RUNNING"
+    with db.tx() as c:                             # ... and later: lost, queued again
+        c.execute("UPDATE nodes SET disconnected_at = ?", (now_ms() - 10_000,))
+    sched.expire_lost_nodes()
+    after = jobs.get(db, j["id"])
+    assert after["state"] == "QUEUED" and after["failure_kind"] == "NODE_LOST"
