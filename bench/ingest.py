@@ -33,7 +33,7 @@ KEYS = ["train/loss", "train/acc", "train/lr", "train/grad_norm"]
 
 def client(url, token, run_id, start_at, seconds, step0, result, fmt, batch):
     """One SDK-like process: build each batch, serialise it, POST it, repeat."""
-    from gpuplane.db.metrics import BINARY_TYPE, encode_binary
+    from gpuplane.metricwire import BINARY_TYPE, encode_binary
     session = requests.Session()
     session.headers.update({"Authorization": f"Bearer {token}",
                             "Content-Type": BINARY_TYPE if fmt == "binary"

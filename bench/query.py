@@ -22,6 +22,7 @@ import requests
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from gpuplane import rollup  # noqa: E402
 from gpuplane.db import Database, metrics, runs  # noqa: E402
 from harness import free_port, start_server, stop_server  # noqa: E402
 
@@ -41,7 +42,7 @@ def fill(db, n):
             metrics.ingest(c, run_id, [KEY], pts)
     t_ingest = time.perf_counter() - t0
     t0 = time.perf_counter()
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     return run_id, t_ingest, time.perf_counter() - t0
 
 

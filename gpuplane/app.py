@@ -7,6 +7,7 @@ from flask import Flask, send_from_directory
 from . import __version__, config as config_mod, errors
 from .api import blueprints
 from .db import Database, tokens
+from .db.metrics import MetricStore
 
 log = logging.getLogger(__name__)
 STATIC = pathlib.Path(__file__).resolve().parent.parent / "static"
@@ -64,7 +65,8 @@ def create_app(home=None, start_threads=True, **overrides):
     lifecycle.on_event(engine.offer_lifecycle)
     engine.listeners.append(webhooks.notify)
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
-                      LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks)
+                      LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks,
+                      METRICS=MetricStore(db))
 
     for bp in blueprints():
         app.register_blueprint(bp)

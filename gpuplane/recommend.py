@@ -1,12 +1,12 @@
 """Deciding from runs: the recommended checkpoint, run comparisons, an experiment's
 leaderboard. Each function reads through gpuplane.db and returns a plain dict that the
 REST routes answer as is (docs/checkpoints.md)."""
-from . import semantic
+from . import metricwire, semantic, series
 from .db import checkpoints, compare, metric_defs, metrics, runs
 
 
 def _encode(v):
-    return metrics.encode(v) if v is not None else None
+    return metricwire.encode(v) if v is not None else None
 
 
 def resolve_metric(db, key, project, experiment, run_id=None, keys_of_scope=None):
@@ -100,7 +100,7 @@ def leaderboard(db, project, experiment, key=None, limit=200):
     rows = []
     for r in rs:
         kid = metrics.key_id(db, r["id"], key)
-        best = metrics.key_summary(db, kid, key, d)["best"] if kid else None
+        best = series.key_summary(db, kid, key, d)["best"] if kid else None
         rows.append({**r, "best": best, "best_evaluated": evaluated.get(r["id"])})
 
     def order(row):

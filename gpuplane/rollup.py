@@ -1,4 +1,5 @@
-"""The metric rollup thread: keeps the bucket levels up to date and prunes old raw points.
+"""Metric rollups: the algorithm and the thread that runs it; the SQL is in
+gpuplane/db/metrics.py.
 
 Every tick recomputes the buckets that newly ingested points touched (the step ranges
 ingest recorded in `metric_dirty`; out-of-order and replaced points included). Once every
@@ -7,7 +8,9 @@ ingest recorded in `metric_dirty`; out-of-order and replaced points included). O
 """
 import logging
 
-from .db import metrics, now_ms
+from .db import metrics as store, now_ms
+from .db.metrics import BASE, CHUNK, LEVELS
+from .metricwire import MAX_STEP
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,7 @@ class Rollup(Worker):
         self._next_prune = 0.0
 
     def tick(self):
-        metrics.roll_up(self.db, stop=self._stop)
+        roll_up(self.db, stop=self._stop)
         if self.retention_days > 0 and now_ms() >= self._next_prune:
             self.prune()
             self._next_prune = now_ms() + self.retention_check_s * 1000
@@ -37,8 +40,111 @@ class Rollup(Worker):
         if self.retention_days <= 0:
             return 0
         cutoff = (now if now is not None else now_ms()) - int(self.retention_days * DAY_MS)
-        deleted = metrics.prune_raw(self.db, cutoff)
+        deleted = prune_raw(self.db, cutoff)
         if deleted:
             log.info("pruned %d raw metric points older than %s days", deleted,
                      self.retention_days)
         return deleted
+
+
+# -- the algorithm ----------------------------------------------------------------------
+
+def _merge_ranges(ranges, gap=CHUNK):
+    out = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def _roll_chunk(db, key_id, lo, hi, widths, skip_to=-1):
+    """Recompute the buckets of levels `widths` (ascending, from BASE) covering [lo, hi].
+
+    The base level is aggregated from raw points outside the write lock (the GROUP BY is
+    the costly part; a stale read is redone by the next tick, whose dirty range covers
+    it), then written with the levels above in one short transaction. Buckets holding a
+    step <= skip_to (raw points pruned by retention) are kept as they are.
+    """
+    b_lo, b_hi = lo // BASE, hi // BASE
+    if skip_to >= 0:
+        b_lo = max(b_lo, skip_to // BASE + 1)
+        if b_lo > b_hi:
+            return
+    rows = store.agg_raw(db.conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
+    with db.tx() as conn:
+        store.write_buckets(conn, key_id, BASE, rows)
+        _roll_levels(conn, key_id, lo, hi, widths[1:], skip_to)
+
+
+def _roll_levels(conn, key_id, lo, hi, widths, skip_to):
+    """Levels above BASE, each from the one below it."""
+    for w in widths:
+        b_lo, b_hi = lo // w, hi // w
+        if skip_to >= 0:
+            b_lo = max(b_lo, skip_to // w + 1)
+            if b_lo > b_hi:
+                break
+        store.build_level(conn, key_id, w, b_lo, b_hi)
+
+
+def _top_width(max_step):
+    for w in LEVELS:
+        if w > max_step:
+            return w
+    return LEVELS[-1]
+
+
+def roll_up(db, stop=None):
+    """Bring the rollups up to date with what has been ingested. Returns keys processed."""
+    dirty = store.dirty_ranges(db)
+    if not dirty:
+        return 0
+    last_id = dirty[-1][0]
+    by_key = {}
+    for _, k, lo, hi in dirty:
+        by_key.setdefault(k, []).append((lo, hi))
+    for key_id, ranges in by_key.items():
+        if stop is not None and stop.is_set():
+            return 0           # the dirty rows stay; the next start does the rest
+        roll_key(db, key_id, ranges)
+    store.clear_dirty(db, last_id)
+    return len(by_key)
+
+
+def roll_key(db, key_id, ranges):
+    rolled, top, pruned = store.rollup_state(db.conn, key_id)
+    spans = _merge_ranges(ranges)
+    max_hi = max(hi for _, hi in spans)
+    new_top = max(top, _top_width(max(max_hi, rolled)))
+    fine = [w for w in LEVELS if w <= min(CHUNK, new_top)]
+    coarse = [w for w in LEVELS if CHUNK < w <= new_top]
+    for lo, hi in spans:
+        # Levels up to CHUNK align inside a CHUNK-wide span: one short transaction each.
+        for c0 in range(lo - lo % CHUNK, hi + 1, CHUNK):
+            _roll_chunk(db, key_id, max(lo, c0), min(hi, c0 + CHUNK - 1), fine, pruned)
+        if coarse:
+            with db.tx() as conn:
+                _roll_levels(conn, key_id, lo, hi, coarse, pruned)
+    if new_top > top and top:
+        # A new coarser level is built over the whole history from the one below it.
+        with db.tx() as conn:
+            for w in [w for w in LEVELS if top < w <= new_top]:
+                store.build_level(conn, key_id, w, 0, MAX_STEP // w)
+    with db.tx() as conn:
+        store.set_rolled(conn, key_id, max_hi, new_top)
+
+
+def prune_raw(db, older_than_ms):
+    """Delete raw points older than `older_than_ms` (their ts) that are already rolled up;
+    rollups stay. Returns the number of points deleted."""
+    deleted = 0
+    for key_id, rolled in store.rolled_keys(db):
+        # Only whole base buckets below the rolled step: a partial one is still read raw.
+        upto = (rolled + 1) // BASE * BASE - 1
+        if upto < 0:
+            continue
+        with db.tx() as conn:
+            deleted += store.prune_key(conn, key_id, upto, older_than_ms)
+    return deleted

@@ -3,6 +3,7 @@ record skipped, the cursor advanced in the same transaction) and reconciling aft
 (re)connect."""
 import pytest
 
+from gpuplane import series
 from gpuplane.config import ServerConfig
 from gpuplane.db import Database, events, jobs, logs, metrics, nodes, runs
 from gpuplane.gateway import Gateway, ProtocolError
@@ -61,7 +62,7 @@ def test_a_batch_is_applied_once_and_acked(gw):
     assert gw.apply_batch("n1", batch(*recs)) == {"type": "ack", "seq": 4}
     assert [line["text"] for line in logs.tail(gw.db, j["id"], 10)] == ["hello"]
     key = metrics.key_id(gw.db, j["run_id"], "loss")
-    assert metrics.series(gw.db, key)[1] and metrics.summary(gw.db, j["run_id"])[0]["count"] == 2
+    assert series.series(gw.db, key)[1] and series.summary(gw.db, j["run_id"])[0]["count"] == 2
     assert [e["type"] for e in events.list_events(gw.db, job_id=j["id"])].count("STARTED") == 1
 
 

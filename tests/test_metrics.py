@@ -8,6 +8,7 @@ import pytest
 from gpuplane.app import create_app
 from gpuplane import semantic
 from gpuplane.db import metrics, now_ms, tokens
+from gpuplane import metricwire, rollup
 from gpuplane.rollup import Rollup
 
 TS = 1_764_403_200_000
@@ -98,7 +99,7 @@ def test_downsampling_bounded_and_keeps_spike(client, db, rolled):
     values[77_777] = 1e9
     ingest_series(db, run, "loss", values)
     if rolled:
-        metrics.roll_up(db)
+        rollup.roll_up(db)
         assert db.query_one("SELECT count(*) FROM metric_dirty")[0] == 0
     for max_points in (1000, 37, 5000):
         s = get(client, f"/api/v1/runs/{run}/metrics/loss?max_points={max_points}")
@@ -122,7 +123,7 @@ def test_rolled_series_matches_raw_aggregation(client, db):
     values = [(i * 7919) % 1000 / 10 for i in range(20_000)]
     ingest_series(db, run, "m", values)
     before = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=300")
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     after = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=300")
     assert after["level"] == before["level"]
     assert len(after["points"]) == len(before["points"])
@@ -139,7 +140,7 @@ def test_rolled_series_matches_raw_aggregation(client, db):
 def test_tail_not_yet_rolled_is_read_raw(client, db):
     run = new_run(client)
     ingest_series(db, run, "m", [1.0] * 50_000)
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     ingest_series(db, run, "m", [5.0] * 10_000, start=50_000)   # not rolled up yet
     s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=100")
     assert sum(p[5] for p in s["points"]) == 60_000
@@ -182,11 +183,11 @@ def test_idempotent_reingest(client, db):
 def test_out_of_order_and_replaced_points_reach_rollups(client, db):
     run = new_run(client)
     post(client, run, ["m"], [[0, s, 1.0, TS] for s in range(0, 4000, 2)])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     # Odd steps arrive late, and one old point is replaced by a spike.
     post(client, run, ["m"], [[0, s, 2.0, TS] for s in range(3999, 0, -2)])
     post(client, run, ["m"], [[0, 1234, -50.0, TS]])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=10")
     assert sum(p[5] for p in s["points"]) == 4000
     assert min(p[1] for p in s["points"]) == -50.0
@@ -205,9 +206,9 @@ def test_out_of_order_and_replaced_points_reach_rollups(client, db):
 def test_new_coarse_level_covers_history(client, db):
     run = new_run(client)
     post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100)])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100_000, 100_050)])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     top = db.query_one("SELECT top_width FROM metric_rollup")[0]
     assert top > 100_050
     row = db.query_one("SELECT count, min, max FROM rollups WHERE width = ?", (top,))
@@ -249,7 +250,7 @@ def test_nan_and_infinities_roundtrip(client, db):
     assert r.status_code == 200 and r.get_json() == {"accepted": 5}
     s = get(client, f"/api/v1/runs/{run}/metrics/m")
     assert [p[1] for p in s["points"]] == ["NaN", "NaN", "Infinity", "-Infinity", 1.5]
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     bucket = db.query_one("SELECT min, max, sum, count, vcount, last FROM rollups"
                           " WHERE width = 16 AND bucket = 0")
     assert tuple(bucket) == (-math.inf, math.inf, None, 5, 3, 1.5)   # inf - inf is NaN
@@ -263,7 +264,7 @@ def test_nan_and_infinities_roundtrip(client, db):
 def test_all_nan_bucket_reads_nan(client, db):
     run = new_run(client)
     post(client, run, ["m"], [[0, s, "NaN", 1] for s in range(8)] + [[0, 8, 3.0, 1]])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=2")
     assert s["level"] == 8 and s["points"][0] == [0, "NaN", "NaN", "NaN", "NaN", 8]
     assert s["points"][1] == [8, 3.0, 3.0, 3.0, 3.0, 1]
@@ -345,7 +346,7 @@ def test_summary_best_latest_trend(client, db):
     ingest_series(db, run, "val/acc", [0.9 - i / n / 2 for i in range(n)])
     ingest_series(db, run, "lr", [0.1] * n)
     ingest_series(db, run, "one", [1.0])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     ingest_series(db, run, "train/loss", [0.001], start=n)   # the best, still raw
     keys = {k["key"]: k for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]}
     loss = keys["train/loss"]
@@ -365,7 +366,7 @@ def test_best_step_found_through_levels(client, db):
     values = [1.0] * 300_000
     values[123_457] = 0.5
     ingest_series(db, run, "loss", values)
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     k = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
     assert k["best"] == {"step": 123_457, "value": 0.5}
     assert k["count"] == 300_000
@@ -418,7 +419,7 @@ def test_rollup_thread_survives_a_failing_tick(db, monkeypatch):
         if len(calls) == 1:
             raise RuntimeError("boom")
 
-    monkeypatch.setattr(metrics, "roll_up", flaky)
+    monkeypatch.setattr(rollup, "roll_up", flaky)
     r = Rollup(db, {})
     r.interval = 0.01
     r.start()
@@ -434,7 +435,7 @@ def test_sparse_steps_still_fill_the_answer(client, db):
     with db.tx() as c:
         metrics.ingest(c, run, ["eval/loss"], [[0, s * 1000, 1.0 / (1 + s), TS]
                                               for s in range(20_000)])
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     s = get(client, f"/api/v1/runs/{run}/metrics/eval/loss?max_points=500")
     assert 250 <= len(s["points"]) <= 500
     assert sum(p[5] for p in s["points"]) == 20_000
@@ -478,7 +479,7 @@ def test_rollup_thread_keeps_up_with_concurrent_ingest(client, db):
 
 def post_binary(client, run_id, body, expect=200):
     r = client.post(f"/api/v1/runs/{run_id}/metrics", data=body,
-                    content_type=metrics.BINARY_TYPE)
+                    content_type=metricwire.BINARY_TYPE)
     assert r.status_code == expect, r.get_data(as_text=True)
     return r.get_json()
 
@@ -489,9 +490,9 @@ def test_binary_batches_store_the_same_points_as_json(client, db):
         [[1, 5, float("nan"), TS], [1, 6, float("inf"), TS], [1, 7, -2.5, TS]]
     keys = ["train/loss", "odd"]
     post(client, a, keys, points)
-    assert post_binary(client, b, metrics.encode_binary(keys, points)) == {"accepted": 303}
+    assert post_binary(client, b, metricwire.encode_binary(keys, points)) == {"accepted": 303}
     # a replay adds nothing
-    post_binary(client, b, metrics.encode_binary(keys, points))
+    post_binary(client, b, metricwire.encode_binary(keys, points))
     for key in keys:
         sa = get(client, f"/api/v1/runs/{a}/metrics/{key}?max_points=10000")["points"]
         sb = get(client, f"/api/v1/runs/{b}/metrics/{key}?max_points=10000")["points"]
@@ -506,9 +507,9 @@ def test_binary_batches_store_the_same_points_as_json(client, db):
 ])
 def test_bad_binary_batches_are_400_and_store_nothing(client, db, mangle, fragment):
     run = new_run(client)
-    body = metrics.encode_binary(["loss"], [[0, 1, 0.5, TS], [0, 2, 0.4, TS]])
+    body = metricwire.encode_binary(["loss"], [[0, 1, 0.5, TS], [0, 2, 0.4, TS]])
     out = post_binary(client, run, mangle(body), expect=400)
     assert fragment in out["error"]["message"]
-    bad_index = metrics.encode_binary(["loss"], [[3, 1, 0.5, TS]])
+    bad_index = metricwire.encode_binary(["loss"], [[3, 1, 0.5, TS]])
     assert "out of range" in post_binary(client, run, bad_index, expect=400)["error"]["message"]
     assert count_points(db) == 0

@@ -2,6 +2,7 @@
 row still there."""
 import sqlite3
 
+from gpuplane import series
 from gpuplane.db import MIGRATIONS, SCHEMA_V1, Database, events, jobs, logs, metrics, runs
 
 ROWS = {
@@ -56,8 +57,8 @@ def test_a_v1_database_migrates_and_every_row_survives(tmp_path):
     assert events.list_events(db, job_id=1)[0]["type"] == "JOB_STARTED"
     # Points written before rollups existed are still answered (from raw).
     key = metrics.key_id(db, 1, "loss")
-    assert [p[0] for p in metrics.series(db, key)[1]] == [1, 2, 3]
-    assert metrics.summary(db, 1)[1]["count"] == 3
+    assert [p[0] for p in series.series(db, key)[1]] == [1, 2, 3]
+    assert series.summary(db, 1)[1]["count"] == 3
 
 
 def test_opening_twice_does_not_migrate_again(tmp_path):

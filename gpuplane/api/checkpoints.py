@@ -15,9 +15,9 @@ import posixpath
 from flask import Blueprint, request
 
 from ..auth import requires
-from ..db import checkpoints, jobs, metrics, projects, runs
+from ..db import checkpoints, jobs, projects, runs
 from ..errors import BadRequest, NotFound
-from .. import evaluations, recommend as rec
+from .. import evaluations, metricwire, recommend as rec
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
 
@@ -52,7 +52,7 @@ def _opt_number(data, name, kind):
 
 
 def _encode_values(values):
-    return {k: {"step": v["step"], "value": metrics.encode(v["value"])}
+    return {k: {"step": v["step"], "value": metricwire.encode(v["value"])}
             for k, v in values.items()}
 
 

@@ -13,6 +13,7 @@ import threading
 from flask import Blueprint, Response, current_app, request
 
 from ..auth import requires
+from .. import metricwire, series as planner
 from ..db import metrics
 from ..errors import BadRequest, NotFound
 from .validate import parse_json, query_int
@@ -36,8 +37,13 @@ def _json(obj, status=200):
                     mimetype="application/json")
 
 
+def _store():
+    """The app's MetricStore (gpuplane.db.metrics): the ingest path and its caches."""
+    return current_app.config["METRICS"]
+
+
 def _run_or_404(run_id):
-    if not metrics.run_exists(current_db(), run_id):
+    if not _store().run_exists(run_id):
         raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
 
 
@@ -59,12 +65,12 @@ def ingest(run_id):
         raise BadRequest('the body is empty; send {"keys": [...], "points": [[key_index, '
                          'step, value, ts], ...]}')
     _run_or_404(run_id)
-    if request.mimetype == metrics.BINARY_TYPE:
+    if request.mimetype == metricwire.BINARY_TYPE:
         with _ingest_lock:
             try:
-                keys, cols = metrics.parse_binary(raw)
-                n = metrics.ingest_batch(current_db(), run_id, keys, cols=cols)
-            except metrics.BadBatch as e:
+                keys, cols = metricwire.parse_binary(raw)
+                n = _store().ingest(run_id, keys, cols=cols)
+            except metricwire.BadBatch as e:
                 raise BadRequest(str(e)) from None
         current_app.config["EVENTS"].offer_points(run_id, keys, cols)
         return _json({"accepted": n})
@@ -74,9 +80,9 @@ def ingest(run_id):
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')
         try:
-            cols = metrics.parse_batch(data["keys"], data["points"])
-            n = metrics.ingest_batch(current_db(), run_id, data["keys"], cols=cols)
-        except metrics.BadBatch as e:
+            cols = metricwire.parse_batch(data["keys"], data["points"])
+            n = _store().ingest(run_id, data["keys"], cols=cols)
+        except metricwire.BadBatch as e:
             raise BadRequest(str(e)) from None
     # the event engine (gpuplane/events.py) checks them on its own thread
     current_app.config["EVENTS"].offer_points(run_id, data["keys"], cols)
@@ -87,7 +93,7 @@ def ingest(run_id):
 @requires("read")
 def summary(run_id):
     _run_or_404(run_id)
-    return _json({"run_id": run_id, "keys": metrics.summary(current_db(), run_id)})
+    return _json({"run_id": run_id, "keys": planner.summary(current_db(), run_id)})
 
 
 def _range_args():
@@ -105,9 +111,9 @@ def series(run_id, key):
     max_points, from_step, to_step = _range_args()
     _run_or_404(run_id)
     key_id = _key_or_404(run_id, key)
-    level, points = metrics.series(current_db(), key_id, max_points, from_step, to_step)
+    level, points = planner.series(current_db(), key_id, max_points, from_step, to_step)
     return _json({"key": key, "run_id": run_id, "level": level,
-                  "points": metrics.encode_points(points)})
+                  "points": metricwire.encode_points(points)})
 
 
 @bp.get("/metrics/series")
@@ -135,8 +141,8 @@ def multi_series():
             missing.append(run_id)
             out.append({"run_id": run_id, "level": None, "points": [], "missing": True})
             continue
-        level, points = metrics.series(current_db(), key_id, max_points, from_step, to_step)
-        out.append({"run_id": run_id, "level": level, "points": metrics.encode_points(points)})
+        level, points = planner.series(current_db(), key_id, max_points, from_step, to_step)
+        out.append({"run_id": run_id, "level": level, "points": metricwire.encode_points(points)})
     if len(missing) == len(out):
         _key_or_404(out[0]["run_id"], key)
     return _json({"key": key, "series": out})

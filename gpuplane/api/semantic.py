@@ -13,7 +13,7 @@ from flask import Blueprint, Response, request
 
 from .. import recommend, semantic
 from ..auth import requires
-from ..db import metrics, now_ms, semantic as load
+from ..db import now_ms, semantic as load
 from ..errors import BadRequest, NotFound
 from .validate import query_int
 from . import current_db

@@ -3,7 +3,7 @@
 Every run is cut into the same step buckets (width w, bucket = step // w), so the i-th
 point of each run covers the same steps. w is the smallest of 1, 4, 16, 64, ... that gives
 at most max_points buckets over the union of the runs' step ranges; whole rollup buckets
-are read where they exist (metrics.series does the same for one run).
+are read where they exist (gpuplane/series.py does the same for one run).
 """
 from . import metrics as m
 

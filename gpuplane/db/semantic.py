@@ -1,5 +1,6 @@
 """Loading what the semantic layer (gpuplane/semantic.py) judges: plain dicts, bounded in size
 whatever the run's length (summaries from the rollups, series of a few hundred buckets)."""
+from .. import metricwire, series
 from . import checkpoints as ckpts, events, jobs, logs, metric_defs, metrics, runs
 
 SERIES_POINTS = 300
@@ -17,8 +18,8 @@ def key_data(db, run_id, keys=None, max_points=SERIES_POINTS):
         # the direction a metric definition gives it (docs/checkpoints.md), else its name's
         d = metric_defs.resolve_direction(db, key, run["project"], run["experiment"])[0] \
             if run else None
-        s = metrics.key_summary(db, key_id, key, d)
-        _, pts = metrics.series(db, key_id, max_points)
+        s = series.key_summary(db, key_id, key, d)
+        _, pts = series.series(db, key_id, max_points)
         # A bucket holding a NaN has a finite mean; its last value tells the NaN apart.
         s["points"] = [[p[0], p[3]] for p in pts]
         s["key_id"] = key_id
@@ -53,7 +54,7 @@ def _nearest(db, key_id, step):
     if not cands:
         return None
     s, v = min(cands, key=lambda r: abs(r[0] - step))
-    return metrics.encode(v)
+    return metricwire.encode(v)
 
 
 def checkpoints(db, run_ids, keys):
