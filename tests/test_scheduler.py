@@ -35,7 +35,8 @@ def test_cpu_jobs_go_where_most_cpu_slots_are_free():
     (job(1), [], "no agent has connected yet"),
     (job(4), [node("a", 2)], "needs 4 GPUs on one node; the largest node (a) has 2"),
     (job(2), [node("a", 2, "disconnected")], "no connected node has 2 GPUs"),
-    (job(2), [node("a", 2)], "waiting for 2 free GPU(s) on one node"),
+    (job(2), [node("a", 2)], "waiting for 2 free GPUs on one node"),
+    (job(1), [node("a", 2)], "waiting for 1 free GPU on one node"),
     (job(0, True), [node("a", 0, "disconnected")], "no node is connected"),
     (job(0, True), [node("a", 0)], "waiting for a free CPU slot"),
 ])
@@ -85,7 +86,7 @@ def test_a_tick_fills_free_slots_by_priority_and_says_why_the_rest_wait(world):
     assert sorted(g for a in agents.started for g in a[2]) == [0, 1]
     waiting = jobs.get(db, big["id"])
     assert waiting["state"] == "QUEUED"
-    assert waiting["pending_reason"] == "waiting for 2 free GPU(s) on one node"
+    assert waiting["pending_reason"] == "waiting for 2 free GPUs on one node"
     sched.tick()                                   # nothing freed: nothing sent twice
     assert len(agents.started) == 2
 
