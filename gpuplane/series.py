@@ -21,7 +21,7 @@ def series(db, key_id, max_points=1000, from_step=None, to_step=None):
     the key's rolled step and raw points after it, so a query never lags the ingest.
     """
     conn = db.conn
-    rolled, top, pruned = store.rollup_state(conn, key_id)
+    rolled, top, pruned = store.read_state(conn, key_id)
     span = store.span(conn, key_id, pruned)
     if span is None:
         return 1, []
@@ -149,7 +149,7 @@ def summary(db, run_id):
 def key_summary(db, key_id, key, d=None):
     """One key's summary; `d` ('min' | 'max') overrides the direction read from its name."""
     conn = db.conn
-    rolled, top, pruned = store.rollup_state(conn, key_id)
+    rolled, top, pruned = store.read_state(conn, key_id)
     d = d or semantic.direction(key)
     count, first, last_step = 0, None, None
     best = None          # (value, width, row)

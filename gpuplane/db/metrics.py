@@ -226,6 +226,18 @@ def prune_key(conn, key_id, upto, older_than_ms):
 
 # -- reading (the planner is in gpuplane/series.py) ---------------------------------------
 
+def read_state(conn, key_id):
+    """rollup_state for a query: the rolled step is lowered below any range ingested but
+    not rolled up yet (points that came out of order, below the rolled step), so the
+    query reads raw points there instead of buckets that do not hold them yet."""
+    rolled, top, pruned = rollup_state(conn, key_id)
+    lo = conn.execute("SELECT min(lo) FROM metric_dirty WHERE key_id = ?",
+                      (key_id,)).fetchone()[0]
+    if lo is not None and lo <= rolled:
+        rolled = lo - 1
+    return rolled, top, pruned
+
+
 def agg_raw(conn, key_id, w, lo, hi):
     """Raw points in [lo, hi] grouped by step // w, in the rollup row shape."""
     if lo > hi:
