@@ -80,6 +80,21 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid, comm):
+    """CPU time of the process's threads named `comm` (the server names its Workers'
+    OS threads, e.g. gpuplane-rollup)."""
+    total = 0.0
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != comm:
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
     runs = []
     for i in range(clients):
@@ -89,6 +104,7 @@ def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
         runs.append(r.json()["id"])
     before = count_points(db_path)
     cpu0 = cpu_seconds(worker)
+    rollup0 = thread_cpu_seconds(worker, "gpuplane-rollup")
     result = mp.Queue()
     start_at = time.time() + 1.0
     procs = [mp.Process(target=client,
@@ -98,6 +114,7 @@ def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
         p.start()
     outs = [result.get(timeout=seconds + 120) for _ in procs]
     cpu = cpu_seconds(worker) - cpu0
+    rollup_cpu = thread_cpu_seconds(worker, "gpuplane-rollup") - rollup0
     for p in procs:
         p.join(30)
     errors = [o for o in outs if o[0] == "error"]
@@ -106,7 +123,7 @@ def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
     elapsed = max(o[2] for o in outs)
     stored = count_points(db_path) - before
     sent = sum(o[1] for o in outs)
-    return stored / elapsed, stored, sent, stored / cpu
+    return stored / elapsed, stored, sent, stored / cpu, rollup_cpu / cpu if cpu else 0.0
 
 
 def count_points(db_path):
@@ -173,7 +190,7 @@ def main():
                                extra="[events]\nenabled = false\n")
             off_db, off_worker = home_off / "server" / "gpuctl.db", worker_pid(off[0].pid)
             no_events = {f: [] for f in formats}
-        results = {f: ([], []) for f in formats}
+        results = {f: ([], [], []) for f in formats}
         ceilings, cpu_ceilings = [], []
         try:
             for t in range(args.trials):
@@ -185,7 +202,7 @@ def main():
                     if off and t % 2:       # alternate which server goes first
                         rate_off = ingest_trial(off[1], off[2], off_db, args.clients,
                                                 args.seconds, off_worker, fmt, args.batch)[0]
-                    rate, stored, sent, per_cpu = ingest_trial(
+                    rate, stored, sent, per_cpu, rollup_share = ingest_trial(
                         url, token, db_path, args.clients, args.seconds, worker, fmt,
                         args.batch)
                     if off and not t % 2:
@@ -193,7 +210,10 @@ def main():
                                                 args.seconds, off_worker, fmt, args.batch)[0]
                     results[fmt][0].append(rate)
                     results[fmt][1].append(per_cpu)
-                    line += f"  {fmt} {rate:>9,.0f} points/s ({per_cpu:,.0f}/server CPU-s)"
+                    results[fmt][2].append(rollup_share)
+                    line += (f"  {fmt} {rate:>9,.0f} points/s = {rate / ceil:.2f} x "
+                             f"({per_cpu:,.0f}/server CPU-s, rollup {rollup_share:.0%} of "
+                             "the server's CPU)")
                     if off:
                         no_events[fmt].append(rate_off)
                         line += f" [events off {rate_off:,.0f}, ratio {rate / rate_off:.2f}]"
@@ -211,8 +231,9 @@ def main():
         for fmt in formats:
             rate, per_cpu = med(results[fmt][0]), med(results[fmt][1])
             print(f"  REST, {fmt:<6}       {rate:>10,.0f} points/s   {per_cpu:>10,.0f}"
-                  f"   ratio {rate / ceil:.2f} x wall, {per_cpu / ceil_cpu:.2f} x CPU")
-        print("  (goal: >= 0.5 x the raw ceiling and >= 300,000 points/s)")
+                  f"   ratio {rate / ceil:.2f} x wall, {per_cpu / ceil_cpu:.2f} x CPU; "
+                  f"the rollup thread took {med(results[fmt][2]):.0%} of the server's CPU")
+        print("  (goal: >= 0.75 x the raw ceiling in the same run, rollup thread running)")
         if off:
             print("\nwith the event engine vs without it (a second server, same trials):")
             for fmt in formats:

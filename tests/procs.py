@@ -38,6 +38,28 @@ def wait_for(cond, timeout=30, interval=0.05, what="condition"):
                          + (f" (last error: {last_exc!r})" if last_exc else ""))
 
 
+def route_walk(app):
+    """Every route of a Flask app as (method, rule, view), HEAD and OPTIONS left out: the
+    walk the scope, auth and bad-input suites share (`rule.arguments` and converters are
+    on the Rule)."""
+    out = []
+    for rule in app.url_map.iter_rules():
+        view = app.view_functions[rule.endpoint]
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            out.append((method, rule, view))
+    return out
+
+
+def route_url(rule, run_id=1, job_id=1, path="k0", name=None):
+    """A concrete URL for a rule: the given run and job ids, 1 for other ints, `path` for
+    path arguments and `name` (default: `path`) for string arguments."""
+    import re
+    url = rule.replace("<int:run_id>", str(run_id)).replace("<int:job_id>", str(job_id))
+    url = re.sub(r"<int:[a-z_]+>", "1", url)
+    url = re.sub(r"<path:[a-z_]+>", path, url)
+    return re.sub(r"<[a-z_]+>", path if name is None else name, url)
+
+
 def _clean_env(home):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     env["GPUCTL_HOME"] = str(home)

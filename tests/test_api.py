@@ -1,9 +1,9 @@
 """Every route, walked from the app's own route map: scopes and the error shape."""
-import re
 
 import pytest
 
 from gpuplane.app import create_app
+from procs import route_url, route_walk
 
 SCOPES = {"public", "any", "read", "write", "admin", "agent", "run"}
 
@@ -11,12 +11,8 @@ SCOPES = {"public", "any", "read", "write", "admin", "agent", "run"}
 @pytest.fixture(scope="module")
 def routes(tmp_path_factory):
     app = create_app(tmp_path_factory.mktemp("routes"), start_threads=False)
-    out = []
-    for rule in app.url_map.iter_rules():
-        view = app.view_functions[rule.endpoint]
-        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
-            out.append((method, rule.rule, getattr(view, "required_scope", None)))
-    return out
+    return [(method, rule.rule, getattr(view, "required_scope", None))
+            for method, rule, view in route_walk(app)]
 
 
 def test_every_route_declares_its_scope(routes):
@@ -27,11 +23,8 @@ def test_every_route_declares_its_scope(routes):
 
 
 def _url(rule, run_id, job_id):
-    url = re.sub(r"<int:run_id>", str(run_id), rule)
-    url = re.sub(r"<int:job_id>", str(job_id), url)
-    url = re.sub(r"<int:[a-z_]+>", "1", url)
-    url = re.sub(r"<path:[a-z_]+>", "train/loss", url)
-    return re.sub(r"<[a-z_]+>", "p", url)        # project and experiment names
+    # project and experiment names get "p"
+    return route_url(rule, run_id, job_id, path="train/loss", name="p")
 
 
 def _assert_error(resp, status, code=None):

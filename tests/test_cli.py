@@ -7,24 +7,17 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 import pytest
 
-from procs import wait_for
+from procs import free_port, wait_for
 
 from gpuplane import cli, client, config
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,8 @@ import pytest
 import requests
 from simple_websocket import Client, ConnectionClosed
 
+from procs import route_walk
+
 from .helpers import long_mode, report, snapshot, wait_for
 
 SEED = int(os.environ.get("FAULTS_SEED", "1"))
@@ -46,14 +48,10 @@ def _routes():
     import tempfile
     with tempfile.TemporaryDirectory() as home:
         app = create_app(home, start_threads=False)
-        out = []
-        for rule in app.url_map.iter_rules():
-            if rule.endpoint in ("static", "agent_ws"):
-                continue
-            for m in sorted(rule.methods - {"HEAD", "OPTIONS"}):
-                out.append((m, rule.rule, list(rule.arguments),
-                            {a: type(c).__name__ for a, c in rule._converters.items()}))
-        return out
+        return [(m, rule.rule, list(rule.arguments),
+                 {a: type(c).__name__ for a, c in rule._converters.items()})
+                for m, rule, _ in route_walk(app)
+                if rule.endpoint not in ("static", "agent_ws")]
 
 
 def _value(rng, depth=0):

@@ -7,9 +7,9 @@ An agent token opens the agent WebSocket and nothing else. An ingest token reads
 writes its own run only: every other route refuses it, and a write route refuses it with
 WriteScopeError.
 """
-import re
 
 from gpuplane.app import create_app
+from procs import route_url, route_walk
 
 from .helpers import report
 
@@ -18,18 +18,12 @@ SCOPES = {"public", "any", "read", "write", "admin", "agent", "run"}
 
 def _routes(tmp_path):
     app = create_app(tmp_path / "routes", start_threads=False)
-    out = []
-    for rule in app.url_map.iter_rules():
-        view = app.view_functions[rule.endpoint]
-        for m in sorted(rule.methods - {"HEAD", "OPTIONS"}):
-            out.append((m, rule.rule, getattr(view, "required_scope", None)))
-    return out
+    return [(m, rule.rule, getattr(view, "required_scope", None))
+            for m, rule, view in route_walk(app)]
 
 
 def _url(rule, run_id, job_id):
-    url = rule.replace("<int:run_id>", str(run_id)).replace("<int:job_id>", str(job_id))
-    url = re.sub(r"<int:[a-z_]+>", "1", url)
-    return re.sub(r"<(path:)?[a-z_]+>", "k0", url)
+    return route_url(rule, run_id, job_id, path="k0")
 
 
 def test_agent_and_ingest_tokens_reach_only_what_they_may(live_server, tmp_path):
