@@ -1,8 +1,8 @@
 """Deciding from runs: the recommended checkpoint, run comparisons, an experiment's
 leaderboard. Each function reads through gpuplane.db and returns a plain dict that the
 REST routes answer as is (docs/checkpoints.md)."""
-from . import metricwire, semantic, series
-from .db import checkpoints, compare, metric_defs, metrics, runs
+from . import metricwire, semantic, series as planner
+from .db import checkpoints, metric_defs, metrics, runs
 
 
 def _encode(v):
@@ -64,7 +64,7 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
 
 def overlay(db, run_ids, key, max_points=500):
     """One metric of several runs cut into the same step buckets, for overlaid curves."""
-    w, steps, series = compare.aligned_series(
+    w, steps, series = planner.aligned_series(
         db, {r: metrics.key_id(db, r, key) for r in run_ids}, max_points)
     return {"key": key, "width": w, "steps": steps,
             "runs": [{"run_id": rid,
@@ -100,7 +100,7 @@ def leaderboard(db, project, experiment, key=None, limit=200):
     rows = []
     for r in rs:
         kid = metrics.key_id(db, r["id"], key)
-        best = series.key_summary(db, kid, key, d)["best"] if kid else None
+        best = planner.key_summary(db, kid, key, d)["best"] if kid else None
         rows.append({**r, "best": best, "best_evaluated": evaluated.get(r["id"])})
 
     def order(row):
