@@ -27,7 +27,7 @@ BENCH = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from gpuplane import semantic  # noqa: E402
+from gpuplane import rollup, semantic  # noqa: E402
 from gpuplane.db import Database, checkpoints, metrics, runs  # noqa: E402
 from harness import ROOT, free_port, start_server, stop_server  # noqa: E402
 
@@ -57,7 +57,7 @@ def fill(db, n):
         for s in range(every, n + 1, every):
             checkpoints.register(c, run_id, f"/ckpt/step-{s}.pt", step=s, size_bytes=1 << 20,
                                  ts=ts)
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     return run_id
 
 

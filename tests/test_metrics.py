@@ -153,12 +153,12 @@ def test_points_below_the_rolled_step_not_yet_rolled_are_read_raw(client, db):
     # Two writers: the later steps arrive (and are rolled up) first.
     run = new_run(client)
     ingest_series(db, run, "m", [1.0] * 5_000, start=15_000)
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     ingest_series(db, run, "m", [3.0] * 15_000)        # not rolled up yet
     s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=100")
     assert sum(p[5] for p in s["points"]) == 20_000
     assert s["points"][0][1] == 3.0 and s["points"][-1][4] == 1.0
-    metrics.roll_up(db)
+    rollup.roll_up(db)
     after = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=100")
     assert [p[:6] for p in after["points"]] == [p[:6] for p in s["points"]]
 
