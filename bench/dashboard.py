@@ -75,7 +75,7 @@ def login(browser, server, width=1280):
 
 
 def bench_run(p, server, keys, points):
-    from gpuplane.db.metrics import BINARY_TYPE, encode_binary
+    from gpuplane.metricwire import BINARY_TYPE, encode_binary
     api = server.api
     run = api.post("/api/v1/runs", {"project": "bench", "name": "big"}, expect=201)
     names = [f"train/key{k}" for k in range(keys)]

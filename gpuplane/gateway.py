@@ -19,6 +19,7 @@ from simple_websocket import ConnectionClosed
 from .auth import requires
 from .streams import clear_timeout
 from .errors import ApiError
+from . import metricwire
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
@@ -328,7 +329,7 @@ class Gateway:
             index = {k: i for i, k in enumerate(keys)}
             run_id = int(rec["run_id"])
             if runs.exists(c, run_id):
-                cols = metrics.parse_batch(
+                cols = metricwire.parse_batch(
                     keys, [[index[str(k)], s, v, pt] for k, s, v, pt in points])
                 if cols[1]:
                     ids, _ = metrics.resolve_keys(c, run_id, keys)
