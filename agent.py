@@ -1263,7 +1263,7 @@ class CheckpointHook:
                 step, epoch = checkpoint_step(os.path.basename(path))
                 emit("checkpoint", {
                     "run_id": att.run_id, "path": path, "step": step, "epoch": epoch,
-                    "step_from": "name" if step is not None else "latest",
+                    "step_source": "name" if step is not None else "latest",
                     "size_bytes": size, "fingerprint": sig, "format": fmt},
                     {"key": att.key, "ckpt": dict(self.done)}, 0)
         self.seen = found

@@ -584,7 +584,7 @@ def test_checkpoint_watch(tmp_path, hosts):
     rec = wait_until(lambda: records(h.outbox, "checkpoint"), what="checkpoint")[0]
     assert rec["path"] == str(ck / "model-step=200.pt")
     assert rec["step"] == 200 and rec["size_bytes"] == 100 and rec["run_id"] == 118
-    assert rec["format"] == "pt" and rec["step_from"] == "name"
+    assert rec["format"] == "pt" and rec["step_source"] == "name"
     h.runner.handle_cancel({"type": "cancel", "job_id": 18, "attempt": 1})
     h.wait_exited(18)
     assert len(records(h.outbox, "checkpoint")) == 1
@@ -654,7 +654,7 @@ def test_hf_checkpoint_written_just_before_exit_is_one_checkpoint(tmp_path, host
     hf = by_path[str(tmp_path / "out" / "checkpoint-20")]
     assert hf["format"] == "hf" and hf["step"] == 20 and hf["size_bytes"] == 5 * len(HF_FILES)
     final = by_path[str(tmp_path / "out" / "final.safetensors")]
-    assert final["step"] is None and final["step_from"] == "latest"
+    assert final["step"] is None and final["step_source"] == "latest"
     # the final record comes after the checkpoints
     kinds = [r["kind"] for r in records(h.outbox) if r.get("job_id", 30) == 30]
     assert kinds[-1] == "job" and kinds.index("checkpoint") < len(kinds) - 1
