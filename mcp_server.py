@@ -616,7 +616,7 @@ def build_server(gp):
         run_id: Annotated[int | None, Field(description="only events of this run")] = None,
         job_id: Annotated[int | None, Field(description="only events of this job")] = None,
         type: Annotated[str | None, Field(description="only these types, comma-separated, "
-                                                      "e.g. 'LOSS_NAN,OOM'")] = None,
+                                                      "e.g. 'FAILED,LOSS_NAN'")] = None,
         severity: Annotated[Literal["info", "warning", "critical"] | None,
                             Field(description="at least this severity")] = None,
         since: Annotated[int | str | None, Field(
@@ -627,8 +627,10 @@ def build_server(gp):
         limit: Annotated[int, Field(description="at most this many, newest kept",
                                     ge=1, le=1000)] = 100,
     ) -> EventsOut:
-        """Events: lifecycle (queued, started, finished, failed, ...) and rule findings
-        (LOSS_NAN, OOM, LOSS_SPIKE, OVERFITTING_SUSPECTED, ...), oldest first."""
+        """Events, oldest first: lifecycle (QUEUED, DISPATCHED, STARTED, SUCCEEDED, FAILED,
+        CANCELLED, RETRIED, NODE_UP, NODE_DOWN) and rule findings (LOSS_NAN, OOM, LOSS_SPIKE,
+        OVERFITTING_SUSPECTED, GPU_UNDERUTILIZED, STALLED, DISK_LOW), each with a severity,
+        a message and its evidence."""
         return gp.list_events(run_id, job_id, type, severity, since, after=after, limit=limit)
 
     @tool

@@ -289,8 +289,13 @@ def test_acceptance_loop(live_server, agent, tmp_path):
         # A failing job: explain_failure finds the missing module in its log.
         j = ok(await call("submit_job", command=[sys.executable, "-c", "import nosuchmod"],
                           working_dir=str(tmp_path), cpu_only=True, name="broken"))
+        w = ok(await call("wait_for_job", job_id=j["id"], timeout_s=60, until="change"))
+        assert w["reached"] and not w["timed_out"], w       # started, or already failed
         w = ok(await call("wait_for_job", job_id=j["id"], timeout_s=60))
         assert w["state"] == "FAILED"
+        ev = ok(await call("list_events", job_id=j["id"], type="FAILED,CANCELLED"))
+        assert [e["type"] for e in ev["events"]] == ["FAILED"], ev
+        assert ev["events"][0]["job_id"] == j["id"]
         assert w["next_actions"][0] == {"tool": "explain_failure",
                                         "arguments": {"job_id": j["id"]},
                                         "why": w["next_actions"][0]["why"]}
