@@ -57,6 +57,21 @@ class ConfigError(Exception):
     pass
 
 
+def _number(key, value, kind, minimum):
+    """A setting as a number of `kind` at least `minimum`, or ConfigError naming it."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        out = kind(value)
+        if out < minimum:
+            raise ValueError
+        return out
+    except (TypeError, ValueError):
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{key} = {value!r} is not {what} >= {minimum:g}; fix it in "
+                          "agent.toml or on the command line") from None
+
+
 class Config:
     def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=4,
                  heartbeat_s=5.0, stats_interval_s=10.0, job_retention_days=14.0,
@@ -65,12 +80,12 @@ class Config:
         self.token = token
         self.name = name
         self.home = home
-        self.fake_gpus = int(fake_gpus)
-        self.cpu_slots = int(cpu_slots)
-        self.heartbeat_s = float(heartbeat_s)
-        self.stats_interval_s = float(stats_interval_s)
-        self.job_retention_days = float(job_retention_days)
-        self.backlog_mb = float(backlog_mb)
+        self.fake_gpus = _number("fake_gpus", fake_gpus, int, 0)
+        self.cpu_slots = _number("cpu_slots", cpu_slots, int, 0)
+        self.heartbeat_s = _number("heartbeat_s", heartbeat_s, float, 0.05)
+        self.stats_interval_s = _number("stats_interval_s", stats_interval_s, float, 0.1)
+        self.job_retention_days = _number("job_retention_days", job_retention_days, float, 0)
+        self.backlog_mb = _number("backlog_mb", backlog_mb, float, 1)
         self.default_image = default_image or None
         if isinstance(docker_args, str) or not all(isinstance(a, str) for a in docker_args):
             raise ConfigError("docker_args must be a list of strings, e.g. "

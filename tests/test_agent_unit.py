@@ -929,6 +929,14 @@ def run_cli(args, home, timeout=30):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def test_bad_setting_is_named(tmp_path):
+    (tmp_path / "agent.toml").write_text('server = "http://x"\ntoken = "t"\n'
+                                         'backlog_mb = "lots"\n')
+    r = run_cli(["--home", str(tmp_path)], tmp_path)
+    assert r.returncode == 2 and "backlog_mb = 'lots' is not a number" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_cli_missing_server_and_token(tmp_path):
     r = run_cli([], tmp_path)
     assert r.returncode == 2
