@@ -11,6 +11,7 @@ query for the point at or below its step, one above, one for the value, then a P
 """
 import argparse
 import json
+import os
 import pathlib
 import shutil
 import statistics
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 
+import psutil
 import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -149,12 +151,17 @@ def main():
             first = s.get(q, timeout=120)
             first.raise_for_status()
             answer = first.json()
+            # the server's CPU per request (the process tree of gunicorn): unlike wall
+            # time, it does not grow with whatever else the machine is running
+            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(True)
+            cpu0 = sum(sum(p.cpu_times()[:2]) for p in tree)
             times = []
             for _ in range(args.requests):
                 t = time.perf_counter()
                 r = s.get(q, timeout=120)
                 times.append((time.perf_counter() - t) * 1000)
                 r.raise_for_status()
+            server_cpu = (sum(sum(p.cpu_times()[:2]) for p in tree) - cpu0) / args.requests
         finally:
             stop_server(proc)
         base = []
@@ -169,7 +176,10 @@ def main():
             "candidates": answer["candidates"], "evaluated": answer["evaluated"],
             "recommend_rest_ms": {"p50": round(p50, 1), "p90": round(pct(times, 90), 1),
                                   "max": round(max(times), 1)},
+            "server_cpu_ms_per_request": round(server_cpu * 1000, 1),
             "naive_in_process_ms": {"p50": round(b50, 1), "max": round(max(base), 1)},
+            "load_average": [round(x, 1) for x in os.getloadavg()],
+            "cpus": os.cpu_count(),
             "naive_over_rest_p50": round(b50 / p50, 1), "same_pick": True}, indent=1))
     finally:
         if not args.keep:

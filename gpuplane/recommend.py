@@ -1,20 +1,29 @@
 """Deciding from runs: the recommended checkpoint, run comparisons, an experiment's
 leaderboard. Each function reads through gpuplane.db and returns a plain dict that the
 REST routes answer as is (docs/checkpoints.md)."""
+import heapq
+
 from . import metricwire, semantic, series as planner
 from .db import checkpoints, metric_defs, metrics, runs
+
+
+TOP = 12      # candidates of each kind handed to the ranking
 
 
 def _encode(v):
     return metricwire.encode(v) if v is not None else None
 
 
-def resolve_metric(db, key, project, experiment, run_id=None, keys_of_scope=None):
-    """(key, direction, {"key", "direction", "primary_from", "direction_from"})."""
+def resolve_metric(db, key, project, experiment, keys_of_scope=None):
+    """(key, direction, {"key", "direction", "primary_from", "direction_from"}).
+    keys_of_scope: the scope's (key, count) rows, or a callable giving them (called only
+    when no primary metric is defined), for a guess by name."""
     primary_from = "request"
     if key is None:
         key, primary_from = metric_defs.resolve_primary(db, project or "", experiment or "")
         if key is None:
+            if callable(keys_of_scope):
+                keys_of_scope = keys_of_scope()
             keys = [{"key": k} for k, _ in (keys_of_scope or [])]
             key, primary_from = semantic.pick_primary(keys), "guess"
     if key is None:
@@ -36,8 +45,8 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
         q = {"run_id": run_id}
     else:
         q = {"project": project, "experiment": experiment}
-    keys = checkpoints.scope_keys(db, **q) if key is None else None
-    key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
+    key, d, metric = resolve_metric(db, key, project, experiment,
+                                    keys_of_scope=lambda: checkpoints.scope_keys(db, **q))
     if key is None:
         return {"scope": scope, "metric": metric, "key": None, "direction": None,
                 "checkpoint": None, "runner_up": None, "margin": None, "source": None,
@@ -47,10 +56,22 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
                           "log metrics first",
                 "next_actions": []}
     cands = checkpoints.candidates(db, key, **q)
-    rows = [{"id": c["id"], "run_id": c["run_id"], "step": c["step"], "path": c["path"],
+    # semantic.get_best_checkpoint ranks evaluated checkpoints first, then training
+    # values, each by value, and looks at the top few of each kind (its `ranked` holds
+    # 10); handing it those alone gives the same answer as handing it thousands.
+    sign = 1 if d == "min" else -1
+    evaluated = heapq.nsmallest(TOP, (c for c in cands if c["evaluation"] is not None),
+                                key=lambda c: (sign * c["evaluation"], c["step"] or 0))
+    trained = heapq.nsmallest(TOP, (c for c in cands if c["evaluation"] is None
+                                    and c["training"] is not None),
+                              key=lambda c: (sign * c["training"], c["step"] or 0))
+    chosen = evaluated[:TOP] + trained[:TOP] or cands[:3]
+    where = checkpoints.paths(db, [c["id"] for c in chosen])
+    rows = [{"id": c["id"], "run_id": c["run_id"], "step": c["step"],
+             "path": where.get(c["id"], (None, None))[0],
              "evaluation": {key: c["evaluation"]} if c["evaluation"] is not None else {},
              "training": {key: c["training"]} if c["training"] is not None else {}}
-            for c in cands]
+            for c in chosen]
     best = semantic.get_best_checkpoint(rows, key, d)
     best.update(scope=scope, metric=metric, candidates=len(cands),
                 evaluated=sum(1 for c in cands if c["evaluation"] is not None))
@@ -82,8 +103,9 @@ def leaderboard(db, project, experiment, key=None, limit=200):
     rs = runs.list_runs(db, project=project, experiment=experiment, limit=limit)
     evaluating = checkpoints.evaluation_runs(db, [r["id"] for r in rs])
     rs = [r for r in rs if r["id"] not in evaluating]
-    keys = [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
-                                    if not k.startswith(checkpoints.SYSTEM_PREFIX)})]
+    def keys():
+        return [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
+                                        if not k.startswith(checkpoints.SYSTEM_PREFIX)})]
     key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
     if key is None:
         return {"project": project, "experiment": experiment, "metric": metric,

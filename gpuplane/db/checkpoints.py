@@ -204,10 +204,12 @@ def evaluation_runs(db, run_ids):
 
 # -- recommend --------------------------------------------------------------------------
 
-def _scope_sql(run_id, project, experiment):
+def _scope_sql(run_id, project, experiment, alias="c"):
+    """WHERE over runs r (and their jobs j) for a scope; `alias` names what holds the run
+    id (c: checkpoints, r: runs)."""
     where, params = ["COALESCE(j.kind, 'TRAIN') != 'EVALUATE'"], []
-    for col, val in (("c.run_id", run_id), ("r.project", project),
-                     ("r.experiment", experiment)):
+    for col, val in ((f"{alias}.run_id" if alias == "c" else "r.id", run_id),
+                     ("r.project", project), ("r.experiment", experiment)):
         if val is not None:
             where.append(f"{col} = ?")
             params.append(val)
@@ -223,26 +225,26 @@ def scope_keys(db, run_id=None, project=None, experiment=None):
         f" WHERE {where}) AND k.key NOT LIKE 'sys/%' GROUP BY k.key ORDER BY k.key", params)
 
 
+# The value at the nearest step: the point at the checkpoint's own step when there is one
+# (the usual case: a script logs and saves at the same step; one index seek), else the
+# nearer of the points below and above it (CASE runs those seeks only then). The key is
+# looked up once per run, not once per checkpoint.
 _CANDIDATES = """
-WITH c AS MATERIALIZED (
-    SELECT c.id, c.run_id, c.step, c.path, c.epoch, k.id AS key_id
-    FROM checkpoints c JOIN runs r ON r.id = c.run_id LEFT JOIN jobs j ON j.id = r.job_id
-    LEFT JOIN metric_keys k ON k.run_id = c.run_id AND k.key = ?
+WITH rk AS MATERIALIZED (
+    SELECT r.id AS run_id, k.id AS key_id
+    FROM runs r LEFT JOIN jobs j ON j.id = r.job_id
+    LEFT JOIN metric_keys k ON k.run_id = r.id AND k.key = ?
     WHERE {where}
-), b AS MATERIALIZED (
-    SELECT c.*,
-           (SELECT step FROM points WHERE key_id = c.key_id AND step <= c.step
-            ORDER BY step DESC LIMIT 1) AS lo,
-           (SELECT step FROM points WHERE key_id = c.key_id AND step >= c.step
-            ORDER BY step LIMIT 1) AS hi
-    FROM c
-), n AS MATERIALIZED (
-    SELECT b.*, CASE WHEN lo IS NULL THEN hi WHEN hi IS NULL THEN lo
-                     WHEN step - lo <= hi - step THEN lo ELSE hi END AS at FROM b
 )
-SELECT n.id, n.run_id, n.step, n.path, n.epoch, n.at,
-       (SELECT value FROM points WHERE key_id = n.key_id AND step = n.at) AS value
-FROM n ORDER BY n.id
+SELECT c.id, c.run_id, c.step, rk.key_id, p.step, p.value,
+       CASE WHEN p.step IS NULL THEN
+           (SELECT step FROM points WHERE key_id = rk.key_id AND step < c.step
+            ORDER BY step DESC LIMIT 1) END,
+       CASE WHEN p.step IS NULL THEN
+           (SELECT step FROM points WHERE key_id = rk.key_id AND step > c.step
+            ORDER BY step LIMIT 1) END
+FROM rk JOIN checkpoints c ON c.run_id = rk.run_id
+LEFT JOIN points p ON p.key_id = rk.key_id AND p.step = c.step
 """
 
 _EVAL_VALUES = """
@@ -258,19 +260,46 @@ ORDER BY e.id
 
 def candidates(db, key, run_id=None, project=None, experiment=None):
     """Every checkpoint in the scope with its values of `key`: `training`, the run's value
-    at the nearest step (`at_step`), and `evaluation`, the result of the last successful
-    evaluation that logged `key` (`evaluation_id`). None: no value, or NaN."""
+    at the nearest step (`at_step`; the earlier on a tie), and `evaluation`, the result of
+    the last successful evaluation that logged `key` (`evaluation_id`). None: no value,
+    or NaN. Paths are not read here (see paths())."""
     where, params = _scope_sql(run_id, project, experiment)
     evals = {}
     for ckpt_id, eval_id, value in db.query(_EVAL_VALUES.format(where=where), (key, *params)):
         evals[ckpt_id] = (eval_id, value)      # ordered by id: the last one wins
-    out = []
-    for cid, rid, step, path, epoch, at, value in db.query(
-            _CANDIDATES.format(where=where), (key, *params)):
+    rwhere, rparams = _scope_sql(run_id, project, experiment, alias="r")
+    out, todo = [], []
+    cur = db.conn.cursor()
+    cur.row_factory = None          # plain tuples: thousands of rows, read once
+    for cid, rid, step, key_id, exact, value, lo, hi in cur.execute(
+            _CANDIDATES.format(where=rwhere), (key, *rparams)):
+        at = exact
+        if at is None and step is not None and (lo is not None or hi is not None):
+            at = hi if lo is None else lo if hi is None or step - lo <= hi - step else hi
+            todo.append((key_id, at, len(out)))
         eval_id, eval_value = evals.get(cid, (None, None))
-        out.append({"id": cid, "run_id": rid, "step": step, "path": path, "epoch": epoch,
-                    "training": value, "at_step": at, "evaluation": eval_value,
-                    "evaluation_id": eval_id})
+        out.append({"id": cid, "run_id": rid, "step": step, "training": value,
+                    "at_step": at, "evaluation": eval_value, "evaluation_id": eval_id})
+    for i in range(0, len(todo), 300):        # values at the nearest steps, in batches
+        part = todo[i:i + 300]
+        found = dict(((k, s), v) for k, s, v in db.query(
+            "SELECT key_id, step, value FROM points WHERE (key_id, step) IN (VALUES "
+            + ",".join(["(?, ?)"] * len(part)) + ")",
+            [x for k, s, _ in part for x in (k, s)]))
+        for k, s, idx in part:
+            out[idx]["training"] = found.get((k, s))
+    return out
+
+
+def paths(db, checkpoint_ids):
+    """{id: (path, epoch)} of some checkpoints."""
+    ids = list(checkpoint_ids)
+    out = {}
+    for i in range(0, len(ids), 500):
+        part = ids[i:i + 500]
+        out.update((r[0], (r[1], r[2])) for r in db.query(
+            f"SELECT id, path, epoch FROM checkpoints WHERE id IN ({','.join('?' * len(part))})",
+            part))
     return out
 
 
