@@ -60,7 +60,8 @@ class Out(BaseModel):
 
 
 class StatusOut(Out):
-    nodes: list[dict[str, Any]] = Field(description="nodes with their GPUs and which job holds each")
+    nodes: list[dict[str, Any]] = Field(
+        description="nodes with their GPUs and which job holds each")
     queue: list[dict[str, Any]] = Field(description="queued jobs in the order they will start")
     running: list[dict[str, Any]] = Field(description="jobs now running")
     summary: str
@@ -364,9 +365,10 @@ class Gpuplane:
                 total += len(new)
                 seen = (seen + new)[-WAIT_EVENTS:]
             state = job["state"]
+            # An ended job will not change again: every mode returns at once for it.
             reached = (state in FINAL if until == "end"
                        else state not in ("QUEUED", "DISPATCHED") if until == "running"
-                       else state != first_state or bool(seen))
+                       else state != first_state or bool(seen) or state in FINAL)
             if reached or time.monotonic() >= deadline:
                 break
             time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
@@ -573,7 +575,8 @@ def build_server(gp):
     def list_runs(
         project: Annotated[str | None, Field(description="only runs of this project")] = None,
         experiment: Annotated[str | None, Field(description="only runs of this experiment")] = None,
-        job_id: Annotated[int | None, Field(description="only the runs (attempts) of this job")] = None,
+        job_id: Annotated[int | None,
+                          Field(description="only the runs (attempts) of this job")] = None,
         limit: Annotated[int, Field(description="at most this many, newest first",
                                     ge=1, le=1000)] = 50,
     ) -> RunsOut:
@@ -649,7 +652,7 @@ def build_server(gp):
         until: Annotated[Literal["end", "running", "change"],
                          Field(description="'end': the job finished, failed or was cancelled; "
                                            "'running': it started; 'change': any state change "
-                                           "or new event")] = "end",
+                                           "or new event (an ended job returns at once)")] = "end",
     ) -> WaitOut:
         """Block until a job ends (or starts, or anything happens to it), or the timeout.
         Use this instead of polling get_job; it returns the events that arrived meanwhile
@@ -675,7 +678,8 @@ def build_server(gp):
                                                   ge=1, le=100)] = None,
         env: Annotated[dict[str, str] | None, Field(description="extra environment")] = None,
         project: Annotated[str | None, Field(description="project to file the run under")] = None,
-        experiment: Annotated[str | None, Field(description="experiment within the project")] = None,
+        experiment: Annotated[str | None,
+                              Field(description="experiment within the project")] = None,
         tb_dir: Annotated[str | None, Field(description="TensorBoard log dir to tail "
                                                         "(relative to working_dir)")] = None,
         watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
