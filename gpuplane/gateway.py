@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 WS_PATH = "/api/v1/agent/ws"
 MAX_FRAME = 8 * 1024 * 1024
 CLOSE_UNSUPPORTED, CLOSE_TOO_BIG, CLOSE_PROTOCOL, CLOSE_UNAUTHORIZED = 1003, 1009, 4400, 4401
+CLOSE_WRONG_NODE, CLOSE_NODE_CONNECTED = 4403, 4409
 RECORD_KINDS = ("job", "log", "metrics", "node_stats", "checkpoint", "event")
 
 
@@ -155,16 +156,18 @@ class Gateway:
                 log.warning("agent connection refused: %s", err.message)
                 _close(ws, CLOSE_UNAUTHORIZED, err.message)
                 return
-            self.handle(ws)
+            tok = g.get("token") or {}
+            # An agent token speaks for its one node; an admin token for any.
+            self.handle(ws, bound_node=tok.get("node") if tok.get("scope") == "agent" else None)
         app.view_functions["agent_ws"].required_scope = "agent"
 
-    def handle(self, ws):
+    def handle(self, ws, bound_node=None):
         conn = None
         try:
             hello = self._receive(ws, timeout=15)
             if hello is None or hello.get("type") != "hello":
                 raise ProtocolError("the first message must be hello")
-            conn = self._on_hello(ws, hello)
+            conn = self._on_hello(ws, hello, bound_node)
             hb = self.cfg.heartbeat_s
             while True:
                 msg = self._receive(ws, timeout=1.0)
@@ -206,10 +209,15 @@ class Gateway:
             raise _protocol("a message must be a JSON object with a 'type'")
         return msg
 
-    def _on_hello(self, ws, msg):
+    def _on_hello(self, ws, msg, bound_node=None):
         node, epoch = msg.get("node"), msg.get("epoch")
         if not isinstance(node, str) or not node or len(node) > 200:
             raise _protocol("hello needs a 'node' name")
+        if bound_node is not None and node != bound_node:
+            raise _protocol(f"this agent token is bound to node {bound_node!r}, not {node[:60]!r}; "
+                            f"start the agent with --name {bound_node}, or give it a token "
+                            "made for this node (`gpuplane token create --agent NODE`)",
+                            CLOSE_WRONG_NODE)
         if not isinstance(epoch, str) or not epoch or len(epoch) > 200:
             raise _protocol("hello needs an 'epoch'")
         gpus = msg.get("gpus") or []
@@ -223,13 +231,27 @@ class Gateway:
             if msg.get(name) is not None and (not isinstance(msg[name], str)
                                               or len(msg[name]) > 1000):
                 raise _protocol(f"'{name}' must be a string of at most 1000 characters")
-        cursor = self.lifecycle.node_up(msg)
         conn = AgentConnection(ws, node)
+        limit = 3 * self.cfg.heartbeat_s
         with self._lock:
             old = self._conns.get(node)
+            if old is not None and time.monotonic() - old.last_message < limit:
+                # A live connection is not pushed off by a newcomer with the same name
+                # (which would be handed its running jobs); a silent one is.
+                raise _protocol(f"node {node[:60]} is already connected and heard from in the "
+                                f"last {limit:.0f} s; stop the other agent of that name",
+                                CLOSE_NODE_CONNECTED)
             self._conns[node] = conn
         if old is not None:
-            old.close(4409, "replaced by a newer connection of the same node")
+            old.close(CLOSE_NODE_CONNECTED, "replaced by a newer connection of the same node "
+                      "(this one was silent)")
+        try:
+            cursor = self.lifecycle.node_up(msg)
+        except BaseException:
+            with self._lock:
+                if self._conns.get(node) is conn:
+                    del self._conns[node]
+            raise
         conn.send({"type": "welcome", "node": node, "epoch": epoch, "cursor": cursor,
                    "heartbeat_s": self.cfg.heartbeat_s})
         log.info("node %s connected (epoch %s, cursor %d, %d GPUs)", node, epoch[:8], cursor,
@@ -273,7 +295,9 @@ class Gateway:
                 isinstance(r, dict) and isinstance(r.get("seq"), int) for r in records):
             raise _protocol("a batch needs 'records': objects each with an integer 'seq'")
         published = False
-        with self.lifecycle.transaction() as t:
+        # durable: once acked the agent forgets these records, so the ack must not be
+        # lost to a power cut (synchronous=FULL for this commit)
+        with self.lifecycle.transaction(durable=True) as t:
             c = t.conn
             epoch, cursor = nodes.cursor(c, node)
             if msg.get("epoch") != epoch:
@@ -285,6 +309,12 @@ class Gateway:
             for rec in new:
                 if rec["seq"] != last + 1:
                     break           # a gap inside the batch: apply the prefix only
+                refused = self._not_this_nodes(c, node, rec)
+                if refused:
+                    log.warning("node %s: refused %s record seq %d: %s", node,
+                                rec.get("kind"), rec["seq"], refused)
+                    last = rec["seq"]
+                    continue
                 try:
                     with t.savepoint("rec"):
                         published = self._apply_record(t, node, rec) or published
@@ -297,6 +327,29 @@ class Gateway:
         if published:
             self.hub.publish()     # log lines; state changes publish through lifecycle
         return {"type": "ack", "seq": last}
+
+    @staticmethod
+    def _not_this_nodes(c, node, rec):
+        """Authorisation of one record: a node reports only about the attempts assigned to
+        it and the runs of those attempts. Returns why not, or None."""
+        kind = rec.get("kind")
+        try:
+            if kind in ("job", "log"):
+                job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
+                if runs.node_of_attempt(c, job_id, attempt) != node:
+                    return f"job {job_id} attempt {attempt} is not assigned to this node"
+                return None
+            if kind in ("metrics", "checkpoint", "event") and rec.get("run_id") is not None:
+                run_id = int(rec["run_id"])
+                if runs.node_of(c, run_id) != node:
+                    return f"run {run_id} is not a run of this node's attempts"
+            if kind == "event" and rec.get("job_id") is not None:
+                job_id = int(rec["job_id"])
+                if not runs.job_on_node(c, job_id, node):
+                    return f"job {job_id} never ran on this node"
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return None             # malformed: the apply step skips it as such
+        return None
 
     def _apply_record(self, t, node, rec):
         """Apply one outbox record inside the batch transaction `t`. Returns whether log
@@ -377,6 +430,16 @@ class Gateway:
         with self.lifecycle.transaction() as t:
             for job in jobs.active(self.db, node):
                 key = (job["id"], job["attempt"])
+                if key in known and key not in running:
+                    # Known and not running: its EXITED was acked before this sync, yet
+                    # the job is still active here, so that commit was lost (a power cut
+                    # after the ack). Its exit status is gone with it: lost, retried.
+                    log.warning("node %s: job %d attempt %d ended but its exit record was "
+                                "lost; declaring it lost", node, *key)
+                    self.lifecycle.finished(job["id"], job["attempt"], failure_kind="LOST",
+                                            message=f"node {node} reported it ended, but "
+                                            "its exit record was lost", t=t)
+                    continue
                 if key in known:
                     continue
                 if job["state"] == "DISPATCHED":

@@ -90,8 +90,8 @@ class Lifecycle:
     # -- transactions -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def transaction(self):
-        with self.db.tx() as conn:
+    def transaction(self, durable=False):
+        with self.db.tx(durable=durable) as conn:
             t = Tx(conn)
             yield t
         self._after(t)
@@ -205,6 +205,9 @@ class Lifecycle:
                 run_state = ("SUCCEEDED" if failure_kind is None else
                              "CANCELLED" if failure_kind == "CANCELLED" else "FAILED")
                 runs.finish(t.conn, run["id"], run_state, exit_code, failure_kind, ts)
+                # The job's process is gone and what it wrote is in: its ingest token
+                # (one per start command) writes no more.
+                tokens.revoke_for_run(t.conn, run["id"])
             job = jobs.fetch(t.conn, job_id)
             if job is None or job["attempt"] != attempt or job["state"] not in jobs.ACTIVE:
                 t.publish = True      # the run's state may have changed

@@ -14,7 +14,7 @@ bp = Blueprint("auth", __name__, url_prefix="/api/v1")
 @requires("any")
 def whoami():
     tok = current_token()
-    return {"name": tok["name"], "scope": tok["scope"],
+    return {"name": tok["name"], "scope": tok["scope"], "node": tok.get("node"),
             "can_write": tok["scope"] in ("admin", "write"), "run_id": tok["run_id"]}
 
 
@@ -32,8 +32,15 @@ def create_token():
     if not name:
         raise BadRequest("'name' must not be empty; name the token after who uses it")
     scope = field(data, "scope", str, "read", choices=("read", "write", "admin", "agent"))
-    token_id, secret = tokens.create(current_db(), name, scope)
-    return {"id": token_id, "name": name, "scope": scope, "token": secret}, 201
+    node = field(data, "node", str, None, max_len=200, nullable=True)
+    if scope == "agent" and not node:
+        raise BadRequest("an agent token is bound to the one node it may connect as: give "
+                         "'node' (`gpuplane token create --agent NODE`)")
+    if node and scope != "agent":
+        raise BadRequest("only an agent token is bound to a node; drop 'node' or use "
+                         "scope agent")
+    token_id, secret = tokens.create(current_db(), name, scope, node=node)
+    return {"id": token_id, "name": name, "scope": scope, "node": node, "token": secret}, 201
 
 
 @bp.delete("/tokens/<int:token_id>")

@@ -20,6 +20,7 @@ from ..errors import BadRequest, NotFound
 from .. import evaluations, metricwire, recommend as rec
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
+from .runs import writable_run
 
 bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
 
@@ -75,7 +76,7 @@ def _shape_eval(e):
 @bp.post("/runs/<int:run_id>/checkpoints")
 @requires("run")
 def register(run_id):
-    run = _run_or_404(run_id)
+    run = writable_run(run_id)
     data = body()
     path = field(data, "path", str, max_len=4096)
     if not path or "\0" in path:

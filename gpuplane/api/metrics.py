@@ -18,6 +18,7 @@ from ..db import metrics
 from ..errors import BadRequest, NotFound
 from .validate import parse_json, query_int
 from . import current_db
+from .runs import writable_run
 
 bp = Blueprint("metrics", __name__, url_prefix="/api/v1")
 
@@ -64,7 +65,7 @@ def ingest(run_id):
     if not raw:
         raise BadRequest('the body is empty; send {"keys": [...], "points": [[key_index, '
                          'step, value, ts], ...]}')
-    _run_or_404(run_id)
+    writable_run(run_id)
     if request.mimetype == metricwire.BINARY_TYPE:
         with _ingest_lock:
             try:

@@ -5,7 +5,7 @@ from flask import Blueprint, current_app, request
 
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Conflict, NotFound
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
 
@@ -16,6 +16,17 @@ def run_or_404(run_id):
     run = runs.get(current_db(), run_id)
     if run is None:
         raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
+    return run
+
+
+def writable_run(run_id):
+    """A run that takes writes: a job's run stops at its attempt's end (what the job
+    wrote is in by then, and its ingest token is revoked)."""
+    run = run_or_404(run_id)
+    if run["source"] == "job" and run["state"] in runs.FINAL_STATES:
+        raise Conflict(f"run {run_id} is job {run['job_id']} attempt {run['attempt']}, which "
+                       f"ended ({run['state']}); it takes no more writes. Log to a new run "
+                       "(register one with POST /api/v1/runs)")
     return run
 
 
@@ -43,7 +54,9 @@ def list_runs():
         try:
             job_id = int(job_id)
         except ValueError:
-            raise BadRequest("'job_id' must be a job's number") from None
+            job_id = -1
+        if not 0 <= job_id < 2**63:      # SQLite holds no larger integer
+            raise BadRequest("'job_id' must be a job's number")
     return {"runs": runs.list_runs(
         current_db(), project=request.args.get("project"), experiment=request.args.get("experiment"),
         job_id=job_id, state=request.args.get("state"),
@@ -99,7 +112,7 @@ def _opt_number(data, name, kind):
 @bp.post("/runs/<int:run_id>/events")
 @requires("run")
 def add_event(run_id):
-    run = run_or_404(run_id)
+    run = writable_run(run_id)
     data = body()
     name = field(data, "name", str, max_len=200)
     payload = field(data, "data", dict, {})

@@ -325,9 +325,15 @@ CREATE INDEX events_job ON events(job_id, id);
 CREATE INDEX events_node_type ON events(node, type, id);
 """
 
+# Agent tokens are bound to one node name (docs/security.md): the gateway refuses a hello
+# with another name. NULL for other scopes (an admin token may act as any node).
+SCHEMA_V7_TOKEN_NODE = """
+ALTER TABLE tokens ADD COLUMN node TEXT;
+"""
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
-              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS]
+              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE]
 
 
 class NestedTransaction(RuntimeError):

@@ -112,3 +112,20 @@ def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, co
         args.append(name)
     if sets:
         conn.execute(f"UPDATE runs SET {', '.join(sets)} WHERE id = ?", (*args, run_id))
+
+
+def node_of_attempt(conn, job_id, attempt):
+    """The node a job attempt was assigned to (None: no such attempt)."""
+    row = conn.execute("SELECT node FROM runs WHERE job_id = ? AND attempt = ?",
+                       (job_id, attempt)).fetchone()
+    return row["node"] if row else None
+
+
+def node_of(conn, run_id):
+    row = conn.execute("SELECT node FROM runs WHERE id = ?", (run_id,)).fetchone()
+    return row["node"] if row else None
+
+
+def job_on_node(conn, job_id, node):
+    return conn.execute("SELECT 1 FROM runs WHERE job_id = ? AND node = ? LIMIT 1",
+                        (job_id, node)).fetchone() is not None

@@ -13,21 +13,22 @@ def hash_secret(secret):
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create(db, name, scope, run_id=None, secret=None):
+def create(db, name, scope, run_id=None, secret=None, node=None):
     """Store a token in its own transaction; returns (row id, secret). `secret` is given
-    for the admin token."""
+    for the admin token; `node` binds an agent token to one node name."""
     with db.tx() as conn:
-        return add(conn, name, scope, run_id, secret)
+        return add(conn, name, scope, run_id, secret, node)
 
 
-def add(conn, name, scope, run_id=None, secret=None):
+def add(conn, name, scope, run_id=None, secret=None, node=None):
     """create() inside the caller's transaction."""
     secret = secret or PREFIX[scope] + secrets.token_urlsafe(24)
     conn.execute(
-        "INSERT INTO tokens (name, scope, secret_hash, run_id, created_at)"
-        " VALUES (?, ?, ?, ?, ?)"
-        " ON CONFLICT (secret_hash) DO UPDATE SET revoked = 0, scope = excluded.scope",
-        (name, scope, hash_secret(secret), run_id, now_ms()))
+        "INSERT INTO tokens (name, scope, secret_hash, run_id, created_at, node)"
+        " VALUES (?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (secret_hash) DO UPDATE SET revoked = 0, scope = excluded.scope,"
+        " node = excluded.node",
+        (name, scope, hash_secret(secret), run_id, now_ms(), node))
     # lastrowid is not reliable after an upsert that updated: look the id up.
     token_id = conn.execute("SELECT id FROM tokens WHERE secret_hash = ?",
                             (hash_secret(secret),)).fetchone()[0]
@@ -35,19 +36,19 @@ def add(conn, name, scope, run_id=None, secret=None):
 
 
 def get(db, token_id):
-    row = db.query_one("SELECT id, name, scope, run_id, created_at, revoked FROM tokens"
+    row = db.query_one("SELECT id, name, scope, run_id, node, created_at, revoked FROM tokens"
                        " WHERE id = ?", (token_id,))
     return dict(row) if row else None
 
 
 def lookup(db, secret):
     return db.query_one(
-        "SELECT id, name, scope, run_id FROM tokens WHERE secret_hash = ? AND revoked = 0",
+        "SELECT id, name, scope, run_id, node FROM tokens WHERE secret_hash = ? AND revoked = 0",
         (hash_secret(secret),))
 
 
 def list_all(db, include_ingest=False):
-    sql = "SELECT id, name, scope, run_id, created_at, revoked FROM tokens"
+    sql = "SELECT id, name, scope, run_id, node, created_at, revoked FROM tokens"
     if not include_ingest:
         sql += " WHERE scope != 'ingest'"
     return [dict(r) for r in db.query(sql + " ORDER BY id")]
@@ -58,6 +59,11 @@ def revoke(db, token_id):
         return c.execute("UPDATE tokens SET revoked = 1 WHERE id = ?", (token_id,)).rowcount
 
 
+
+def revoke_for_run(conn, run_id):
+    """The attempt ended: its ingest tokens write no more (inside the caller's tx)."""
+    return conn.execute("UPDATE tokens SET revoked = 1 WHERE scope = 'ingest' AND run_id = ?"
+                        " AND revoked = 0", (run_id,)).rowcount
 
 
 def revoke_old_admin(db, current_secret):

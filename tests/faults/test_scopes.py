@@ -31,7 +31,8 @@ def test_agent_and_ingest_tokens_reach_only_what_they_may(live_server, tmp_path)
     job = api.submit(["true"], "/tmp", cpu_only=True)
     mine = api.post("/api/v1/runs", {"name": "mine"}, expect=201)
     api.post("/api/v1/runs", {"name": "other"}, expect=201)
-    agent = api.post("/api/v1/tokens", {"name": "a", "scope": "agent"}, expect=201)["token"]
+    agent = api.post("/api/v1/tokens", {"name": "a", "scope": "agent",
+                                      "node": "n1"}, expect=201)["token"]
     from gpuplane.db import Database, tokens
     _, ingest = tokens.create(Database(live_server.home / "server" / "gpuctl.db"),
                               "run", "ingest", run_id=mine["id"])

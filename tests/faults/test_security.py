@@ -226,3 +226,211 @@ def test_a_database_that_cannot_be_written_is_a_503_and_health_says_so(tmp_path)
     db.conn.execute("PRAGMA query_only = OFF")
     h = client.get("/api/v1/health")
     assert h.status_code == 200 and h.json["writes"] == "ok"
+
+
+# -- node binding, the agent protocol ----------------------------------------------------------
+
+import json  # noqa: E402
+import uuid  # noqa: E402
+
+from simple_websocket import Client, ConnectionClosed  # noqa: E402
+
+PY = sys.executable
+
+
+class WsAgent:
+    """Speaks docs/protocol.md by hand, to act as a node (honest or not)."""
+
+    def __init__(self, server, token, node, gpus=0):
+        url = server.url.replace("http://", "ws://") + "/api/v1/agent/ws"
+        self.ws = Client.connect(url, headers={"Authorization": f"Bearer {token}"})
+        self.node, self.epoch, self.seq = node, uuid.uuid4().hex, 0
+        self.gpus = [{"index": i, "name": "fake", "memory_total_mb": 1000, "fake": True}
+                     for i in range(gpus)]
+        self.inbox = []
+
+    def send(self, msg):
+        self.ws.send(json.dumps(msg))
+
+    def recv(self, want, timeout=10):
+        """The next message of type `want` (others are kept in inbox); raises
+        ConnectionClosed when the server closes."""
+        for i, m in enumerate(self.inbox):
+            if m["type"] == want:
+                return self.inbox.pop(i)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            raw = self.ws.receive(timeout=0.5)
+            if raw is None:
+                continue
+            m = json.loads(raw)
+            if m["type"] == want:
+                return m
+            self.inbox.append(m)
+        raise AssertionError(f"no {want} within {timeout} s (got {self.inbox})")
+
+    def hello(self):
+        self.send({"type": "hello", "node": self.node, "epoch": self.epoch, "gpus": self.gpus,
+                   "cpu_slots": 0, "fake": True})
+        welcome = self.recv("welcome")
+        self.seq = welcome["cursor"]
+        return welcome
+
+    def batch(self, *records):
+        recs = []
+        for r in records:
+            self.seq += 1
+            recs.append({"seq": self.seq, "ts": int(time.time() * 1000), **r})
+        self.send({"type": "batch", "epoch": self.epoch, "records": recs})
+        return self.recv("ack")
+
+    def close_code(self, timeout=10):
+        try:
+            while True:
+                raw = self.ws.receive(timeout=timeout)
+                if raw is None:
+                    return "open"
+                self.inbox.append(json.loads(raw))
+        except ConnectionClosed as e:
+            return e.reason
+
+    def close(self):
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+
+
+import time  # noqa: E402
+
+
+def _agent_token(server, node):
+    return server.api.post("/api/v1/tokens", {"name": f"agent {node}", "scope": "agent",
+                                              "node": node}, expect=201)["token"]
+
+
+def _gated(tmp_path, name):
+    """A job that writes 'started' and waits for a file; returns its command."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        f"(d / {name + '.started'!r}).write_text(os.environ.get('GPUCTL_TOKEN', '') + ' '"
+        " + os.environ.get('GPUCTL_RUN_ID', ''))\n"
+        "print('real line', flush=True)\n"
+        f"while not (d / {name + '.go'!r}).exists():\n"
+        "    time.sleep(0.05)\n")
+    return [PY, str(script)]
+
+
+def test_agent_tokens_are_bound_to_their_node(live_server):
+    api = live_server.api
+    api.post("/api/v1/tokens", {"name": "unbound", "scope": "agent"}, expect=400)
+    assert "node" in api.last.json()["error"]["message"]
+    token = _agent_token(live_server, "node-a")
+    assert requests.get(live_server.url + "/api/v1/auth/whoami", timeout=5,
+                        headers={"Authorization": f"Bearer {token}"}).json()["node"] == "node-a"
+    imposter = WsAgent(live_server, token, "node-b")
+    imposter.send({"type": "hello", "node": "node-b", "epoch": "e", "gpus": []})
+    assert imposter.close_code() == 4403
+    honest = WsAgent(live_server, token, "node-a")
+    honest.hello()
+    honest.close()
+    assert all(n["name"] != "node-b" for n in api.get("/api/v1/nodes")["nodes"])
+
+
+def test_a_node_cannot_report_about_another_nodes_job(live_server, agent_factory, tmp_path):
+    # Before: a node named 'evil' sent EXITED for node1's running job, which became
+    # SUCCEEDED with a forged log line while its process kept running.
+    api = live_server.api
+    agent = agent_factory(live_server, name="node1")
+    job = api.submit(_gated(tmp_path, "victim"), tmp_path, gpus=1)
+    wait_for(lambda: (tmp_path / "victim.started").exists(), 30, what="the job to start")
+    run_id = api.job(job["id"])["run_id"]
+    evil = WsAgent(live_server, _agent_token(live_server, "evil"), "evil")
+    evil.hello()
+    ack = evil.batch(
+        {"kind": "job", "job_id": job["id"], "attempt": 1, "state": "EXITED", "exit_code": 0},
+        {"kind": "log", "job_id": job["id"], "attempt": 1, "lines": [[999, 1, "forged"]]},
+        {"kind": "metrics", "run_id": run_id, "source": "tb", "points": [["loss", 1, 9.0, 1]]},
+        {"kind": "checkpoint", "run_id": run_id, "path": "/evil.pt", "step": 1},
+        {"kind": "event", "run_id": run_id, "type": "NOTE", "message": "forged"})
+    assert ack["seq"] == evil.seq            # acked (skipped), so the outbox is not wedged
+    evil.close()
+    assert api.job(job["id"])["state"] == "RUNNING"
+    texts = [line["text"] for line in api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]]
+    assert "forged" not in texts
+    assert api.get(f"/api/v1/runs/{run_id}/metrics", expect=200)["keys"] == [] or \
+        "loss" not in str(api.last.json())
+    # the real node still reports about it
+    (tmp_path / "victim.go").touch()
+    assert api.wait_job(job["id"])["state"] == "SUCCEEDED"
+    assert agent.node()["state"] == "connected"
+
+
+def test_a_live_node_is_not_pushed_off_by_a_second_connection(live_server, agent_factory,
+                                                               tmp_path):
+    # Before: connecting as node1 pushed the real agent off (4409) and was handed its
+    # running job's start command (ingest token and env included).
+    api = live_server.api
+    agent = agent_factory(live_server, name="node1")
+    job = api.submit(_gated(tmp_path, "held"), tmp_path, gpus=1)
+    wait_for(lambda: (tmp_path / "held.started").exists(), 30, what="the job to start")
+    imposter = WsAgent(live_server, live_server.token, "node1")    # even with admin
+    imposter.send({"type": "hello", "node": "node1", "epoch": "other", "gpus": []})
+    code = imposter.close_code()
+    assert not imposter.inbox, imposter.inbox      # no welcome, no start command
+    assert code == 4409
+    assert agent.node()["state"] == "connected"
+    assert api.job(job["id"])["state"] == "RUNNING" and api.job(job["id"])["attempt"] == 1
+    (tmp_path / "held.go").touch()
+    assert api.wait_job(job["id"])["state"] == "SUCCEEDED"
+
+
+def test_ingest_token_revoked_when_the_attempt_ends(live_server, agent, tmp_path):
+    api = live_server.api
+    job = api.submit(_gated(tmp_path, "ingest"), tmp_path, gpus=1)
+    wait_for(lambda: (tmp_path / "ingest.started").exists(), 30, what="the job to start")
+    token, run_id = (tmp_path / "ingest.started").read_text().split()
+    body = {"keys": ["loss"], "points": [[0, 1, 0.5, 1]]}
+    url = f"{live_server.url}/api/v1/runs/{run_id}/metrics"
+    auth = {"Authorization": f"Bearer {token}"}
+    assert requests.post(url, json=body, headers=auth, timeout=5).status_code == 200
+    (tmp_path / "ingest.go").touch()
+    api.wait_job(job["id"])
+    r = requests.post(url, json=body, headers=auth, timeout=5)
+    assert r.status_code == 401, r.text              # before: {"accepted": 1}
+    api.post(f"/api/v1/runs/{run_id}/metrics", body, expect=409)
+    assert "ended" in api.last.json()["error"]["message"]
+    api.post(f"/api/v1/runs/{run_id}/events", {"name": "late"}, expect=409)
+    api.post(f"/api/v1/runs/{run_id}/checkpoints", {"path": "/x.pt"}, expect=409)
+
+
+def test_an_exit_acked_then_lost_is_reconciled(live_server):
+    # The agent forgets a record once acked. If the server lost the commit of an EXITED
+    # (power cut), the agent's sync lists the attempt as known and not running: the server
+    # must not keep the job (and its GPU) RUNNING for ever.
+    api = live_server.api
+    node = WsAgent(live_server, _agent_token(live_server, "fake1"), "fake1", gpus=1)
+    node.hello()
+    node.send({"type": "sync", "running": [], "known": []})
+    job = api.submit(["true"], "/tmp", gpus=1, max_attempts=2)
+    start = node.recv("start", timeout=20)
+    assert start["job_id"] == job["id"]
+    node.batch({"kind": "job", "job_id": job["id"], "attempt": 1, "state": "RUNNING",
+                "pid": 1})
+    assert api.job(job["id"])["state"] == "RUNNING"
+    node.close()
+    wait_for(lambda: next(n for n in api.get("/api/v1/nodes")["nodes"]
+                          if n["name"] == "fake1")["state"] == "disconnected", 10,
+             what="the node to be seen gone")
+    again = WsAgent(live_server, _agent_token(live_server, "fake1"), "fake1", gpus=1)
+    again.epoch = node.epoch
+    again.hello()
+    again.send({"type": "sync", "running": [], "known": [[job["id"], 1]]})
+    wait_for(lambda: api.job(job["id"])["state"] != "RUNNING"
+             or api.job(job["id"])["attempt"] != 1, 10, what="the lost exit to be reconciled")
+    again.close()
+    runs = api.get(f"/api/v1/runs?job_id={job['id']}")["runs"]
+    first = next(r for r in runs if r["attempt"] == 1)
+    assert first["state"] == "FAILED" and first["failure_kind"] in ("LOST", "NODE_LOST"), first
