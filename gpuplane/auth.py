@@ -59,7 +59,7 @@ def _check(need, run_id=None):
     elif need == "agent":
         if scope not in ("admin", "agent"):
             raise Forbidden("the agent connection needs an agent or admin token "
-                            "(`gpuplane token create --scope agent`)")
+                            "(`gpuplane token create --name HOST --agent HOST`)")
     return tok
 
 

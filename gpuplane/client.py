@@ -222,8 +222,12 @@ class Client:
     def tokens(self):
         return self.get("tokens")["tokens"]
 
-    def create_token(self, name, scope):
-        return self.post("tokens", {"name": name, "scope": scope})
+    def create_token(self, name, scope, node=None):
+        """An agent token is bound to the one node name it may connect as."""
+        body = {"name": name, "scope": scope}
+        if node is not None:
+            body["node"] = node
+        return self.post("tokens", body)
 
     def revoke_token(self, token_id):
         return self.delete(f"tokens/{token_id}")

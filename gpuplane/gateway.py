@@ -233,9 +233,20 @@ class Gateway:
                 raise _protocol(f"'{name}' must be a string of at most 1000 characters")
         conn = AgentConnection(ws, node)
         limit = 3 * self.cfg.heartbeat_s
+
+        def alive(c):
+            return (c is not None and getattr(c.ws, "connected", True)
+                    and time.monotonic() - c.last_message < limit)
         with self._lock:
             old = self._conns.get(node)
-            if old is not None and time.monotonic() - old.last_message < limit:
+        # An agent that closed its old connection and reconnects at once: the old one's
+        # close may still be on its way. Give it a moment before calling it alive.
+        deadline = time.monotonic() + 1.0
+        while alive(old) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            old = self._conns.get(node)
+            if alive(old):
                 # A live connection is not pushed off by a newcomer with the same name
                 # (which would be handed its running jobs); a silent one is.
                 raise _protocol(f"node {node[:60]} is already connected and heard from in the "

@@ -28,7 +28,7 @@ def cmd_status(args):
     nodes = status.get("nodes", [])
     if not nodes:
         print("no nodes yet; start an agent on a GPU host with a token from "
-              "`gpuplane token create --name HOST --scope agent` (docs/deploy.md)")
+              "`gpuplane token create --name HOST --agent HOST` (docs/deploy.md)")
     for node in nodes:
         flags = [node.get("state", "?")]
         if node.get("fake"):

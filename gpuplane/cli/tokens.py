@@ -1,6 +1,6 @@
 """`gpuplane token create|list|revoke|show-admin`."""
 
-from .common import (EXIT_OK, TOKEN_SCOPES, CliError, ago, command, make_client, note,
+from .common import (EXIT_OK, EXIT_USAGE, TOKEN_SCOPES, CliError, ago, command, make_client, note,
                      parents, positive_int, print_json, print_table)
 
 
@@ -10,9 +10,12 @@ def add_parser(subparsers):
     tsub = tok.add_subparsers(dest="token_command", metavar="TOKEN_COMMAND", required=True)
     p = command(tsub, "create", "create a token; its secret is printed once", parents=(conn, js))
     p.add_argument("--name", required=True, help="what the token is for, e.g. laptop")
-    p.add_argument("--scope", required=True, choices=TOKEN_SCOPES,
-                   help="read: look only; write: submit/cancel; admin: everything; "
-                        "agent: connect an agent")
+    p.add_argument("--scope", choices=TOKEN_SCOPES,
+                   help="read: look only; write: submit/cancel (runs any command on every "
+                        "GPU host); admin: everything; agent: use --agent NODE")
+    p.add_argument("--agent", metavar="NODE",
+                   help="an agent token, bound to this node name: the agent may connect as "
+                        "NODE only and report only about NODE's jobs")
     p.set_defaults(func=cmd_token_create)
     p = command(tsub, "list", "list tokens (never their secrets)", parents=(conn, js))
     p.set_defaults(func=cmd_token_list)
@@ -25,7 +28,16 @@ def add_parser(subparsers):
 
 
 def cmd_token_create(args):
-    tok = make_client(args).create_token(args.name, args.scope)
+    if args.agent is not None:
+        if args.scope not in (None, "agent"):
+            raise CliError("--agent makes an agent token; drop --scope", EXIT_USAGE)
+        args.scope = "agent"
+    elif args.scope is None:
+        raise CliError("give --scope read|write|admin, or --agent NODE for an agent",
+                       EXIT_USAGE)
+    elif args.scope == "agent":
+        raise CliError("an agent token is bound to one node: use --agent NODE", EXIT_USAGE)
+    tok = make_client(args).create_token(args.name, args.scope, node=args.agent)
     if args.json:
         print_json(tok)
         return EXIT_OK

@@ -267,7 +267,7 @@ def _start_server(args, home, port, url, probe, env, children):
     return server
 
 
-def _start_agent(url, home, name, fake_gpus, admin_token, env, children):
+def _start_agent(url, home, name, fake_gpus, agent_token, env, children):
     agent_py = repo_root() / "agent.py"
     argv = [sys.executable, str(agent_py)] if agent_py.exists() \
         else [sys.executable, "-m", "agent"]
@@ -276,7 +276,7 @@ def _start_agent(url, home, name, fake_gpus, admin_token, env, children):
     if fake_gpus is not None:
         argv += ["--fake-gpus", str(fake_gpus)]
     agent = _Child("agent", argv, home / "logs" / "agent.log",
-                   dict(env, GPUCTL_TOKEN=admin_token))
+                   dict(env, GPUCTL_TOKEN=agent_token))
     children.insert(0, agent)
     return agent
 
@@ -354,7 +354,11 @@ def cmd_up(args):
             lambda: (lambda found: found if found[1] else None)(local_server(home)),
             children, 10)
         client = Client(url, admin_token)
-        agent = _start_agent(url, home, name, fake_gpus, admin_token, env, children)
+        # The agent gets a token of its own, good only for connecting as this node: a job
+        # that reads its agent's environment finds no admin token there.
+        agent_token = client.create_token(f"agent {name} (gpuplane up)", "agent",
+                                          node=name)["token"]
+        agent = _start_agent(url, home, name, fake_gpus, agent_token, env, children)
 
         def node_connected():
             for node in client.nodes():

@@ -434,3 +434,18 @@ def test_an_exit_acked_then_lost_is_reconciled(live_server):
     runs = api.get(f"/api/v1/runs?job_id={job['id']}")["runs"]
     first = next(r for r in runs if r["attempt"] == 1)
     assert first["state"] == "FAILED" and first["failure_kind"] in ("LOST", "NODE_LOST"), first
+
+
+def test_cli_makes_agent_tokens_bound_to_a_node(live_server):
+    env = dict(_clean_env(live_server.home), GPUCTL_TOKEN=live_server.token,
+               GPUCTL_SERVER=live_server.url)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "gpuplane", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+    out = cli("token", "create", "--name", "box", "--agent", "gpu-box", "--json")
+    assert out.returncode == 0, out.stderr
+    made = json.loads(out.stdout)
+    assert made["scope"] == "agent" and made["node"] == "gpu-box"
+    out = cli("token", "create", "--name", "box", "--scope", "agent")
+    assert out.returncode == 2 and "--agent NODE" in out.stderr
