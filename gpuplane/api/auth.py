@@ -14,7 +14,8 @@ bp = Blueprint("auth", __name__, url_prefix="/api/v1")
 @requires("any")
 def whoami():
     tok = current_token()
-    return {"name": tok["name"], "scope": tok["scope"], "node": tok.get("node"),
+    bound = {"node": tok["node"]} if tok.get("node") else {}    # an agent token's node
+    return {"name": tok["name"], "scope": tok["scope"], **bound,
             "can_write": tok["scope"] in ("admin", "write"), "run_id": tok["run_id"]}
 
 
