@@ -14,8 +14,11 @@ Given to gunicorn as `worker_class = "gpuplane.gunicorn_worker.Worker"`; the two
 come from the environment the server sets before it starts gunicorn.
 """
 import os
+import queue
 import selectors
+import threading
 import time
+from concurrent import futures
 from functools import partial
 
 from gunicorn.workers.gthread import ThreadWorker
@@ -28,12 +31,80 @@ _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: clos
               b'{"error": {"code": "HeadersTooLarge", "message": "request headers over 64 KiB; send fewer"}}\n')
 
 
+class ElasticPool(futures.Executor):
+    """gthread's pool, except that a thread idle for `idle_s` exits: after a burst (a
+    fleet reconnecting, a hundred followers gone) threads, and the SQLite connection each
+    one opened, go back to the baseline instead of staying for the life of the process."""
+
+    def __init__(self, max_workers, idle_s=5.0):
+        self._max, self._idle_s = max_workers, idle_s
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = self._pending = 0
+        self._shutdown = False
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._pending += 1
+            if self._pending > self._idle and self._threads < self._max:
+                self._threads += 1
+                self._idle += 1
+                threading.Thread(target=self._work, name="gpuplane-http", daemon=True).start()
+            self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self):
+        while True:
+            try:
+                item = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    retire = self._pending == 0 or self._shutdown
+                    if retire:
+                        self._threads -= 1
+                        self._idle -= 1
+                if retire:
+                    _thread_exit()
+                    return
+                continue
+            if item is None:
+                with self._lock:
+                    self._threads -= 1
+                    self._idle -= 1
+                return
+            future, fn, args, kwargs = item
+            with self._lock:
+                self._pending -= 1
+                self._idle -= 1
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:      # noqa: B902 (handed to the future)
+                    future.set_exception(e)
+            del future, fn, args, kwargs, item
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        with self._lock:
+            self._shutdown = True
+            n = self._threads
+        for _ in range(n):
+            self._queue.put(None)
+
+
 class Worker(ThreadWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV) or 5)
         self.io_timeout = float(os.environ.get(IO_TIMEOUT_ENV) or 30)
         self._reading = {}          # conn -> deadline, while its headers come in
+
+    def get_thread_pool(self):
+        return ElasticPool(self.cfg.threads)
 
     # -- headers are read here, on the worker's own loop ---------------------------------
 
@@ -116,6 +187,14 @@ class Worker(ThreadWorker):
     def load_wsgi(self):
         super().load_wsgi()
         self.wsgi = _close_after_unread_body(self.wsgi)
+
+
+def _thread_exit():
+    from .db import close_thread_connections
+    try:
+        close_thread_connections()
+    except Exception:       # closing is best effort; the thread ends either way
+        pass
 
 
 def _close_after_unread_body(app):

@@ -90,8 +90,12 @@ def test_cuda_visible_devices_lists_exactly_the_slots_gpus(live_server, agent_fa
 def test_job_environment_is_injected_and_inherited_gpuctl_vars_are_stripped(
         live_server, agent, tmp_path):
     out = tmp_path / "env.json"
-    code = ("import os, json; json.dump({k: v for k, v in os.environ.items() "
-            f"if k.startswith(('GPUCTL_', 'CUDA_', 'MY_'))}}, open({str(out)!r}, 'w'))")
+    code = ("import os, json, urllib.request as u; e = {k: v for k, v in os.environ.items() "
+            "if k.startswith(('GPUCTL_', 'CUDA_', 'MY_'))}; "
+            "r = u.Request(e['GPUCTL_SERVER'] + '/api/v1/auth/whoami', "
+            "headers={'Authorization': 'Bearer ' + e['GPUCTL_TOKEN']}); "
+            "e['whoami'] = json.load(u.urlopen(r)); "
+            f"json.dump(e, open({str(out)!r}, 'w'))")
     j = live_server.api.submit([PY, "-c", code], tmp_path, gpus=1,
                                env={"MY_LR": "0.1", "GPUCTL_RUN_ID": "spoofed"})
     j = live_server.api.wait_job(j["id"])
@@ -104,11 +108,13 @@ def test_job_environment_is_injected_and_inherited_gpuctl_vars_are_stripped(
     assert env["CUDA_VISIBLE_DEVICES"] == str(j["gpu_indices"][0])
     # the agent runs with GPUCTL_HOME set; the job must not inherit it
     assert "GPUCTL_HOME" not in env
-    # The injected token is an ingest token for this run only.
-    who = live_server.api.session.get(
-        live_server.url + "/api/v1/auth/whoami",
-        headers={"Authorization": f"Bearer {env['GPUCTL_TOKEN']}"}).json()
+    # The injected token is an ingest token for this run only, while the attempt runs.
+    who = env["whoami"]
     assert who["scope"] == "ingest" and who["run_id"] == j["run_id"]
+    r = live_server.api.session.get(
+        live_server.url + "/api/v1/auth/whoami",
+        headers={"Authorization": f"Bearer {env['GPUCTL_TOKEN']}"})
+    assert r.status_code == 401          # revoked when the attempt ended
 
 
 def test_a_job_that_needs_more_gpus_than_any_node_says_so(live_server, agent):

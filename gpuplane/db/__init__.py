@@ -25,6 +25,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +337,17 @@ MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE]
 
 
+_databases = weakref.WeakSet()
+
+
+def close_thread_connections():
+    """A thread that is about to exit (an idle HTTP pool thread) closes its connections:
+    a dead thread's thread-local connection is otherwise freed only by a later GC, and
+    holds two file descriptors until then."""
+    for db in list(_databases):
+        db.close()
+
+
 class NestedTransaction(RuntimeError):
     """db.tx() was called inside a transaction of the same thread."""
 
@@ -348,6 +360,7 @@ class Database:
         self._write_lock = threading.Lock()
         self.write_error = None      # why the last write failed (disk full, read-only)
         self.migrate()
+        _databases.add(self)
 
     def _connect(self):
         conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
