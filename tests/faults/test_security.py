@@ -449,3 +449,26 @@ def test_cli_makes_agent_tokens_bound_to_a_node(live_server):
     assert made["scope"] == "agent" and made["node"] == "gpu-box"
     out = cli("token", "create", "--name", "box", "--scope", "agent")
     assert out.returncode == 2 and "--agent NODE" in out.stderr
+
+
+def test_fleet_bounded(server_factory):
+    """bench/fleet.py at small counts: simulated agents with jobs running and telemetry
+    flowing, SSE followers beyond their cap, clients that never finish their headers.
+    No node is seen disconnected, no job loses its attempt, /status answers throughout;
+    threads and sockets come back (no timing assertions: the figures are in
+    docs/benchmarks.md)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fleet
+    from .helpers import worker_pid
+    server = server_factory({"threads": 16, "agent_threads": 4, "rest_threads": 4,
+                             "header_timeout_s": 1, "heartbeat_s": 1})
+    r = fleet.run_fleet(server.url, server.token, worker_pid(server), agents=3, gpus=2,
+                        followers=12, slow=40, seconds=6, heartbeat_s=1, settle_s=15,
+                        log=lambda *a: None)
+    report("fleet-bounded", **r)
+    assert r["agent_errors"] == 0 and r["agent_batches"] > 0
+    assert r["nodes_seen_not_connected"] == 0 and r["jobs_lost"] == 0
+    assert r["status_errors"] == 0 and r["status_requests"] > 0
+    assert r["followers_admitted"] == 8 and r["followers_503"] == 4   # 16 - 4 - 4
+    assert r["slow_dropped_by_server"] >= 40
+    assert r["back_to_baseline_s"] is not None, r
