@@ -345,7 +345,8 @@ def test_a_node_cannot_report_about_another_nodes_job(live_server, agent_factory
     api = live_server.api
     agent = agent_factory(live_server, name="node1")
     job = api.submit(_gated(tmp_path, "victim"), tmp_path, gpus=1)
-    wait_for(lambda: (tmp_path / "victim.started").exists(), 30, what="the job to start")
+    wait_for(lambda: (tmp_path / "victim.started").exists()
+             and api.job(job["id"])["state"] == "RUNNING", 30, what="the job to run")
     run_id = api.job(job["id"])["run_id"]
     evil = WsAgent(live_server, _agent_token(live_server, "evil"), "evil")
     evil.hello()
@@ -375,7 +376,8 @@ def test_a_live_node_is_not_pushed_off_by_a_second_connection(live_server, agent
     api = live_server.api
     agent = agent_factory(live_server, name="node1")
     job = api.submit(_gated(tmp_path, "held"), tmp_path, gpus=1)
-    wait_for(lambda: (tmp_path / "held.started").exists(), 30, what="the job to start")
+    wait_for(lambda: (tmp_path / "held.started").exists()
+             and api.job(job["id"])["state"] == "RUNNING", 30, what="the job to run")
     imposter = WsAgent(live_server, live_server.token, "node1")    # even with admin
     imposter.send({"type": "hello", "node": "node1", "epoch": "other", "gpus": []})
     code = imposter.close_code()
