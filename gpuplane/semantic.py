@@ -38,6 +38,19 @@ def direction(key):
     return "min"
 
 
+# Counters and schedules: they move because training moves, not because it is going well.
+# A key named so is not judged (no direction, best or trend) unless a metric definition
+# says which way it should go.
+_STEP_LIKE = re.compile(r"(^|[/_.\-])(epoch|epochs|step|steps|global_step|iteration|iter|"
+                        r"batch|batch_idx|samples|tokens|examples_seen|lr|learning_rate|"
+                        r"lr_\w+|momentum|warmup\w*)$")
+
+
+def is_step_like(key):
+    """Whether the key is a counter or a schedule (epoch, step, lr, ...), not a result."""
+    return bool(_STEP_LIKE.search(key.lower()))
+
+
 TREND_WINDOW = 0.10      # compare the last 10% of the run with the 10% before it
 TREND_TOLERANCE = 0.01   # relative change below this is "flat"
 

@@ -143,6 +143,13 @@ def summary(db, run_id):
     out = []
     for key_id, key in store.keys_of_run(conn, run_id):
         out.append(key_summary(db, key_id, key))
+    # The agent's TensorBoard tail names a curve tb/<tag>; when the SDK logs the same
+    # curve as <tag>, both arrive. The SDK's is kept (the script's own values, at its
+    # own steps); the TensorBoard copy says so and readers show it once.
+    names = {k["key"] for k in out}
+    for k in out:
+        if k["key"].startswith("tb/") and k["key"][3:] in names:
+            k["duplicate_of"] = k["key"][3:]
     return out
 
 
@@ -150,6 +157,8 @@ def key_summary(db, key_id, key, d=None):
     """One key's summary; `d` ('min' | 'max') overrides the direction read from its name."""
     conn = db.conn
     rolled, top, pruned = store.read_state(conn, key_id)
+    # Counters and schedules are not judged, unless a metric definition gave `d`.
+    judged = d is not None or not semantic.is_step_like(key)
     d = d or semantic.direction(key)
     count, first, last_step = 0, None, None
     best = None          # (value, width, row)
@@ -173,10 +182,11 @@ def key_summary(db, key_id, key, d=None):
         "count": count,
         "latest": None if latest is None else
         {"step": latest[0], "value": encode(latest[1]), "ts": latest[2]},
-        "best": None if best is None else
+        "best": None if best is None or not judged else
         {"step": _best_step(conn, key_id, d, best), "value": encode(best[0])},
-        "direction": d,
-        "trend": semantic.trend(series(db, key_id, max_points=200)[1], d),
+        "direction": d if judged else None,
+        "trend": semantic.trend(series(db, key_id, max_points=200)[1], d) if judged else None,
+        "judged": judged,
         "first_step": first,
         "last_step": last_step,
     }

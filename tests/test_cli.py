@@ -710,3 +710,39 @@ def test_up_on_another_port_than_server_toml_hands_jobs_the_real_address(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_run_show_judges_results_not_counters_and_shows_a_curve_once(live_server, capsys,
+                                                                      monkeypatch):
+    # Issue 9 item 15.
+    c = client.Client(live_server.url, live_server.token)
+    run = c.create_run(project="noise")["id"]
+    keys = ["epoch", "lr", "train/loss", "tb/train/loss", "val/acc"]
+    pts = [[i, s, v, 0] for s in range(40) for i, v in enumerate(
+        [s // 10, 0.1 * 0.9 ** s, 1 / (s + 1), 1 / (s + 1), s / 40])]
+    c.log_metrics(run, keys, pts)
+    summary = {k["key"]: k for k in c.run_metrics(run)}
+    assert summary["epoch"]["judged"] is False and summary["epoch"]["direction"] is None
+    assert summary["epoch"]["trend"] is None and summary["lr"]["trend"] is None
+    assert summary["train/loss"]["direction"] == "min"
+    assert summary["train/loss"]["trend"] == "improving"
+    assert summary["tb/train/loss"]["duplicate_of"] == "train/loss"
+    assert "duplicate_of" not in summary["train/loss"]
+
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    assert cli.main(["--server", live_server.url, "run", "show", str(run)]) == 0
+    out, err = capsys.readouterr()
+    table = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert "tb/train/loss" not in table and "train/loss" in table
+    assert table["epoch"][3:5] == ["-", "-"]          # no goal, no trend
+    assert "tb/train/loss (the same curve as train/loss" in err and "--all" in err
+    assert cli.main(["--server", live_server.url, "run", "show", str(run), "--all"]) == 0
+    assert "tb/train/loss" in capsys.readouterr().out
+
+
+def test_the_api_root_says_where_to_start(live_server):
+    # Issue 9 item 17: /api/v1/ itself was a 404.
+    import requests
+    r = requests.get(live_server.url + "/api/v1/", timeout=10)
+    assert r.status_code == 200
+    assert r.json()["routes"].startswith("/api/v1/routes") and "Bearer" in r.json()["auth"]

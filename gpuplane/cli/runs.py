@@ -62,6 +62,8 @@ def add_parser(subparsers):
                    help="a run id, or job:ID for a job's latest run")
     p.add_argument("--job", type=job_id_type, metavar="ID", dest="for_job",
                    help="the run of this job's latest attempt")
+    p.add_argument("--all", action="store_true", dest="all_keys",
+                   help="also the TensorBoard copies (tb/KEY) of curves the SDK logs as KEY")
     p.set_defaults(func=cmd_run_show)
 
 
@@ -97,6 +99,8 @@ def cmd_run_show(args):
     client = make_client(args)
     run = _resolve_run(client, args)
     keys = client.run_metrics(run["id"])
+    hidden = [] if args.all_keys else [k for k in keys if k.get("duplicate_of")]
+    keys = [k for k in keys if k not in hidden]
     for k in keys:
         series = client.metric_series(run["id"], k["key"], max_points=SPARK_WIDTH)
         k["sparkline"] = sparkline(series["points"])
@@ -129,6 +133,13 @@ def cmd_run_show(args):
                          k["count"], k["sparkline"]])
         print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
                            "WHOLE RUN"])
+    if hidden:
+        note("shown once: " + ", ".join(f"{k['key']} (the same curve as {k['duplicate_of']}, "
+                                        "read from TensorBoard files)" for k in hidden)
+             + " left out; the SDK's values are kept. --all shows both")
+    if any(k.get("judged") is False for k in keys):
+        note("GOAL and TREND are left out for counters and schedules (epoch, step, lr, ...): "
+             "they move because training moves, not because it goes well")
     from .events import print_recent
     print_recent(client, run=run["id"])
     return EXIT_OK
