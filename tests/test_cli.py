@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -746,3 +747,89 @@ def test_the_api_root_says_where_to_start(live_server):
     r = requests.get(live_server.url + "/api/v1/", timeout=10)
     assert r.status_code == 200
     assert r.json()["routes"].startswith("/api/v1/routes") and "Bearer" in r.json()["auth"]
+
+
+def test_doctor_checks_everything_and_names_fixes(stack, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPUCTL_TOKEN", stack["token"])
+    code = cli.main(["--server", stack["url"], "--home", str(tmp_path), "doctor"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for check in ("client", "disk", "this host", "server", "token", f"agent {stack['node']}"):
+        assert re.search(rf"^(ok  |    )  {re.escape(check)}\s", out, re.M), (check, out)
+    assert "scope admin" in out and "2 GPUs (pretend (--fake-gpus))" in out
+    # A bad token: FAIL with the fix, exit 1.
+    monkeypatch.setenv("GPUCTL_TOKEN", "wrong")
+    code = cli.main(["--server", stack["url"], "--home", str(tmp_path), "doctor", "--json"])
+    checks = {c["check"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert code == cli.EXIT_ERROR and checks["token"]["ok"] is False
+    assert "GPUCTL_TOKEN" in checks["token"]["fix"]
+    # No server: FAIL with how to start one.
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["--server", url, "--home", str(tmp_path), "doctor"]) == cli.EXIT_ERROR
+    out = capsys.readouterr().out
+    assert re.search(r"^FAIL  server", out, re.M) and "fix: start one with `gpuplane up`" in out
+
+
+COMPLETE = r'''
+eval "$(gpuplane completion bash)"
+t() { COMP_WORDS=("$@"); COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 )); COMPREPLY=();
+      _gpuplane_complete; echo "${COMPREPLY[*]}"; }
+t gpuplane jo
+t gpuplane job su
+t gpuplane job list --st
+t gpuplane job list --state ""
+t gpuplane --server x token create --scope a
+t gpuplane job submit -- pyth
+'''
+
+
+def test_bash_completion_is_generated_from_the_parser(tmp_path):
+    env = dict(_env(), PATH=os.pathsep.join([str(pathlib.Path(sys.executable).parent),
+                                             os.environ["PATH"]]))
+    proc = subprocess.run(["bash", "-c", COMPLETE], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "job", "submit", "--state", "QUEUED DISPATCHED RUNNING SUCCEEDED FAILED CANCELLED",
+        "admin agent", ""]
+    zsh = subprocess.run([sys.executable, "-m", "gpuplane", "completion", "zsh"], env=env,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert zsh.startswith("#compdef gpuplane gpuctl") and "'gpuplane job' " in zsh
+    if shutil.which("zsh"):
+        assert subprocess.run(["zsh", "-n"], input=zsh, text=True).returncode == 0
+
+
+def test_job_output_cannot_drive_the_terminal():
+    # Issue 10 item 14: control characters and escape sequences are removed from job
+    # output; colour (SGR) only with --color.
+    from gpuplane.cli.common import clean_line
+    nasty = ("\x1b]0;pwned title\x07\x1b[2J\x1b[H\x1b[31mred\x1b[0m done\r\x08\x07"
+             "\x1b]52;c;ZXZpbA==\x07\x9b31mx\x1bPqdcs\x1b\\")
+    assert clean_line(nasty) == "red donex" + "qdcs"
+    kept = clean_line(nasty, colour=True)
+    assert "\x1b[31mred\x1b[0m" in kept and "\x1b]" not in kept and "\x1b[2J" not in kept
+    assert "\x07" not in kept and "\r" not in kept
+    assert clean_line("plain\ttabs stay") == "plain\ttabs stay"
+
+
+def test_logs_strip_control_characters_unless_colour_is_asked(stack, tmp_path):
+    code, out, _ = run_cli(stack, "job", "submit", "--cpu-only", "-d", str(tmp_path), "-f",
+                           "--", sys.executable, "-c",
+                           r"print('\x1b[2J\x1b]0;title\x07\x1b[32mgreen\x1b[0m ok')")
+    assert code == 0
+    assert out.splitlines()[1] == "green ok"
+    job_id = out.splitlines()[0]
+    code, out, _ = run_cli(stack, "logs", job_id)
+    assert out == "green ok\n"
+    code, out, _ = run_cli(stack, "logs", "--color", job_id)
+    assert out == "\x1b[32mgreen\x1b[0m ok\n"
+
+
+def test_gpuctl_names_itself_in_usage_errors():
+    # Issue 9 item 17: `gpuctl` errors said "gpuplane: error".
+    gpuctl = pathlib.Path(sys.executable).parent / "gpuctl"
+    if not gpuctl.exists():
+        pytest.skip("the gpuctl console script is not installed in this environment")
+    proc = subprocess.run([str(gpuctl), "job", "show", "x"], capture_output=True, text=True,
+                          timeout=60, env=_env())
+    assert proc.returncode == cli.EXIT_USAGE and "gpuctl job show: error" in proc.stderr

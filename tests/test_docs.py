@@ -132,8 +132,18 @@ class Up:
 
 
 def _bash(script, env, timeout=BLOCK_TIMEOUT_S):
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    # Its own process group, killed whole at the deadline: a block that never ends (a
+    # stream, a follower) must fail the test, not hang it on a child holding the pipes.
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(killed: still running after {timeout}s; a block must end by itself)"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _report(name, proc):

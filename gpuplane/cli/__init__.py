@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-from . import backups, checkpoints, common, events, jobs, runs, semantic, status, tokens, up
+from . import (backups, checkpoints, common, completion, doctor, events, jobs, runs, semantic, status,
+               tokens, up)
 from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
                      EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
                      print_table)
@@ -35,6 +36,8 @@ COMMANDS = [
     checkpoints,  # ckpt ..., project ..., exp ..., metric ..., import-run
     backups,    # backup, restore
     events,     # events, event-hook
+    doctor,     # doctor
+    completion,  # completion bash|zsh
 ]
 
 EXIT_CODES_EPILOG = """\
