@@ -265,12 +265,14 @@ class Client:
         """{"lines": [...], "job_state"}: the lines the server keeps (the last 2000)."""
         return self.get(f"jobs/{job_id}/logs", tail=tail)
 
-    def stream_logs(self, job_id, tail=None, last_event_id=None, reconnect_for=60.0):
+    def stream_logs(self, job_id, tail=None, last_event_id=None, reconnect_for=60.0,
+                    on_reconnect=None):
         """Yield log lines (dicts) as they arrive until the job has ended.
 
         A dropped connection is resumed with Last-Event-ID, so no line is lost or
         repeated; after `reconnect_for` seconds without getting back in, it raises
-        ServerUnreachable. The first connection failing raises at once.
+        ServerUnreachable. The first connection failing raises at once. `on_reconnect`
+        (reason, seconds) is called once when a connection is lost, before waiting.
         """
         connected_once = False
         down_since = None
@@ -316,6 +318,8 @@ class Client:
                 except requests.exceptions.RequestException as e:
                     reason = _reason(e)
             now = time.monotonic()
+            if down_since is None and on_reconnect is not None:
+                on_reconnect(reason, reconnect_for)    # once per outage: say what we wait for
             down_since = down_since or now
             if now - down_since > reconnect_for:
                 raise ServerUnreachable(self.server, reason)

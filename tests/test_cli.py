@@ -333,9 +333,13 @@ def test_non_json_error_names_the_url(plain_server):
 
 def test_stream_resumes_with_last_event_id_without_loss_or_repeats(plain_server):
     c = client.Client(plain_server, "t")
-    texts = [line["text"] for line in c.stream_logs(1, tail=10)]
+    said = []
+    texts = [line["text"] for line in c.stream_logs(
+        1, tail=10, on_reconnect=lambda reason, s: said.append(reason))]
     assert texts == [f"line {i}" for i in range(1, 6)]
     assert _Handler.seen_last_event_ids == [None, "3"]
+    # The wait for the reconnection is announced once, with why.
+    assert said == ["the stream closed before the job ended"]
 
 
 # -- against a real server and agent -----------------------------------------------------

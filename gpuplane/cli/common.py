@@ -357,10 +357,15 @@ def follow_job(client, job_id, tail=None, out=None, colour=False):
     return final
 
 
+def _say_reconnecting(reason, seconds):
+    note(f"lost the log stream ({reason}); reconnecting for up to {seconds:.0f} s, "
+         "resuming where it stopped")
+
+
 def _follow(client, job_id, tail, out, colour):
     attempt = None
     try:
-        for line in client.stream_logs(job_id, tail=tail):
+        for line in client.stream_logs(job_id, tail=tail, on_reconnect=_say_reconnecting):
             if attempt is not None and line.get("attempt") != attempt:
                 out.write(f"--- attempt {line.get('attempt')} ---\n")
             attempt = line.get("attempt")
