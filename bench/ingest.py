@@ -200,14 +200,14 @@ def main():
                 line = f"trial {t + 1}: ceiling {ceil:>9,.0f} rows/s"
                 for fmt in formats:
                     if off and t % 2:       # alternate which server goes first
-                        rate_off = ingest_trial(off[1], off[2], off_db, args.clients,
-                                                args.seconds, off_worker, fmt, args.batch)[0]
+                        off_res = ingest_trial(off[1], off[2], off_db, args.clients,
+                                               args.seconds, off_worker, fmt, args.batch)
                     rate, stored, sent, per_cpu, rollup_share = ingest_trial(
                         url, token, db_path, args.clients, args.seconds, worker, fmt,
                         args.batch)
                     if off and not t % 2:
-                        rate_off = ingest_trial(off[1], off[2], off_db, args.clients,
-                                                args.seconds, off_worker, fmt, args.batch)[0]
+                        off_res = ingest_trial(off[1], off[2], off_db, args.clients,
+                                               args.seconds, off_worker, fmt, args.batch)
                     results[fmt][0].append(rate)
                     results[fmt][1].append(per_cpu)
                     results[fmt][2].append(rollup_share)
@@ -215,8 +215,10 @@ def main():
                              f"({per_cpu:,.0f}/server CPU-s, rollup {rollup_share:.0%} of "
                              "the server's CPU)")
                     if off:
-                        no_events[fmt].append(rate_off)
-                        line += f" [events off {rate_off:,.0f}, ratio {rate / rate_off:.2f}]"
+                        no_events[fmt].append(off_res)
+                        line += (f" [events off {off_res[0]:,.0f} ({off_res[3]:,.0f}/CPU-s), "
+                                 f"ratio {rate / off_res[0]:.2f} wall, "
+                                 f"{per_cpu / off_res[3]:.2f} CPU]")
                 print(line, flush=True)
         finally:
             stop_server(proc)
@@ -237,10 +239,12 @@ def main():
         if off:
             print("\nwith the event engine vs without it (a second server, same trials):")
             for fmt in formats:
-                ratios = [a / b for a, b in zip(results[fmt][0], no_events[fmt])]
+                wall = [a / b[0] for a, b in zip(results[fmt][0], no_events[fmt])]
+                cpu = [a / b[3] for a, b in zip(results[fmt][1], no_events[fmt])]
                 print(f"  REST, {fmt:<6}  with {med(results[fmt][0]):>10,.0f}  without "
-                      f"{med(no_events[fmt]):>10,.0f} points/s   ratio median {med(ratios):.2f}"
-                      f" (range {min(ratios):.2f}-{max(ratios):.2f}; goal >= 0.9)")
+                      f"{med([b[0] for b in no_events[fmt]]):>10,.0f} points/s;  ratio wall "
+                      f"{med(wall):.2f} ({min(wall):.2f}-{max(wall):.2f}), per server "
+                      f"CPU-second {med(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f}); goal >= 0.9")
 
 
 if __name__ == "__main__":

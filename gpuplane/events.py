@@ -279,8 +279,12 @@ class Engine(Worker):
                 run.train_keys.setdefault(base, key)
                 if not any(o.train_key == key for o in run.overfit.values()):
                     continue
-            if len(keys) == 1:
+            n = len(keys)
+            if n == 1:
                 ks, kv, kt = steps, values, ts
+            elif len(kidx) % n == 0 and kidx[i::n].count(i) == len(kidx) // n:
+                # the usual layout (every key at every step, in key order): slices, no loop
+                ks, kv, kt = steps[i::n], values[i::n], ts[i::n]
             else:
                 sel = list(map(i.__eq__, kidx))
                 ks = list(compress(steps, sel))

@@ -7,6 +7,7 @@ runs the very same code on whole labelled curves. A finding is a plain dict:
 debounces and stores it. Defaults and their meaning are in docs/events.md.
 """
 import math
+import operator
 import re
 from collections import deque
 from statistics import median
@@ -121,7 +122,7 @@ class Spike:
     within `spike_lr_grace` steps after the run's logged learning rate went up).
     Statistics are refreshed every REFRESH points pushed, counted over the whole series, so
     the verdict never depends on how the points were batched."""
-    REFRESH = 8
+    REFRESH = 64
 
     def __init__(self, key, cfg=DEFAULTS):
         self.key = key
@@ -139,6 +140,16 @@ class Spike:
 
     def lr_points(self, steps, values):
         """The run's learning rate: a rise of more than a fifth marks a restart."""
+        if not values:
+            return
+        # a decaying or constant rate (nearly always): one C-level pass, no loop
+        first_ok = self.last_lr is None or not values[0] > 1.2 * self.last_lr
+        if first_ok and not any(map(operator.gt, values[1:],
+                                    map((1.2).__mul__, values[:-1]))):
+            v = values[-1]
+            if math.isfinite(v):
+                self.last_lr = v
+            return
         for s, v in zip(steps, values):
             if not math.isfinite(v):
                 continue
@@ -154,13 +165,14 @@ class Spike:
             self.limit = math.inf
             return
         self.log = min(self.window) > 0
-        xs = [math.log(x) for x in self.window] if self.log else list(self.window)
+        # C-level map/sorted only: this runs on the ingest's points, every REFRESH of them
+        xs = list(map(math.log, self.window)) if self.log else list(self.window)
         # The level: the median of the latest few points, so a falling curve does not drag
         # an old level along. The noise: the median absolute step-to-step change (x 1.049
         # makes it a Gaussian sigma), which a trend, a restart or a few spikes in the window
         # do not inflate the way the MAD around one median would.
         m = median(xs[-9:])
-        noise = 1.049 * median(abs(b - a) for a, b in zip(xs, xs[1:]))
+        noise = 1.049 * median(map(abs, map(operator.sub, xs[1:], xs[:-1])))
         if self.log:
             scale = max(noise, 1e-3)
             self.limit = math.exp(m + max(self.z * scale, math.log1p(self.ratio)))
@@ -199,9 +211,7 @@ class Spike:
                         key=self.key, value=v, median=med, z=round(z, 2),
                         log_scale=self.log, window=len(self.window))
                     break
-            for v in chunk:
-                if math.isfinite(v):
-                    self.window.append(v)
+            self.window.extend(filter(math.isfinite, chunk))
             self.n += take
             i += take
         return [out] if out else []

@@ -21,9 +21,10 @@ exit "${HOOK_EXIT:-0}"
 """
 
 
-@pytest.fixture
-def server(tmp_path):
-    s = ServerProc(tmp_path / "server").start()
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module; each test works in its own run."""
+    s = ServerProc(tmp_path_factory.mktemp("hook") / "server").start()
     yield s
     s.stop()
 
