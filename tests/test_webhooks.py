@@ -2,6 +2,7 @@
 that refuse, hang or fail. The sender runs its real threads; nothing here sleeps to wait."""
 import http.server
 import json
+import socket
 import threading
 import urllib.parse
 
@@ -9,7 +10,7 @@ import pytest
 
 from gpuplane import webhooks
 from gpuplane.db import Database, events
-from procs import free_port, wait_for
+from procs import wait_for
 
 
 class Receiver:
@@ -136,7 +137,9 @@ def test_json_posts_the_event_and_retries_a_500(db, receiver):
 
 def test_refused_and_hanging_receivers_do_not_block_the_others(db, receiver, caplog):
     receiver.mode = "hang"
-    dead = f"http://127.0.0.1:{free_port()}/nobody"           # nothing listens there
+    holder = socket.socket()          # bound, never listening: refused, and ours alone
+    holder.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{holder.getsockname()[1]}/nobody"
     w = started(db, [{"url": dead, "retries": 0, "name": "dead"},
                      {"url": receiver.url + "/slow", "retries": 0, "timeout_s": 0.5,
                       "name": "slow"}])
@@ -154,6 +157,7 @@ def test_refused_and_hanging_receivers_do_not_block_the_others(db, receiver, cap
         assert "webhook slow: gave up on event" in text and "Timeout" in text
     finally:
         receiver.release.set()
+        holder.close()
         w.stop()
         w2.stop()
         good.close()
