@@ -113,6 +113,7 @@ class Engine(Worker):
         self._dropped = 0
         self._runs = {}
         self._recent = {}               # debounce key -> (event id, until monotonic, pending)
+        self._fingerprints = set()      # findings stored or counted (the DB has the rest)
         self._next_stall = 0.0
         self._user = {}                 # (run, minute) -> distinct SDK event names
         self._user_lock = threading.Lock()
@@ -187,6 +188,12 @@ class Engine(Worker):
         ctx = run.ctx if run else (ctx or {})
         subject = ctx.get("id") or ctx.get("job_id") or node
         dkey = (f["type"], subject)
+        if fingerprint is not None:
+            if fingerprint in self._fingerprints:     # the very same finding again
+                return []
+            if len(self._fingerprints) > 100_000:
+                self._fingerprints.clear()
+            self._fingerprints.add(fingerprint)
         now = time.monotonic()
         hit = self._recent.get(dkey)
         if hit and hit[1] > now:

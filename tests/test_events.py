@@ -232,3 +232,55 @@ def test_ten_thousand_sdk_events_in_a_second_are_bounded_and_counted(tmp_path, c
     assert [r for r in rows if r["message"] == "tick"][0]["count"] == 5000
     assert "SDK event flood" in caplog.text
     print(f"10,000 SDK events recorded in {took:.2f} s")
+
+
+def engine_with_run(tmp_path, source="sdk"):
+    from gpuplane.db import Database
+    from gpuplane.events import Engine
+    db = Database(tmp_path / "gpuctl.db")
+    with db.tx() as c:
+        c.execute("INSERT INTO jobs (id, name, command, working_dir, state, run_id, node,"
+                  " attempt, created_at, queued_at) VALUES (5, 'j', '[]', '/', 'RUNNING', 1,"
+                  " 'n1', 1, 0, 0)")
+        c.execute("INSERT INTO runs (id, job_id, attempt, source, state, node, created_at)"
+                  " VALUES (1, 5, 1, 'job', 'RUNNING', 'n1', 0)")
+    return db, Engine(db, {"events": {"gpu_grace_s": 60, "gpu_window_s": 120}})
+
+
+def test_engine_oom_failure_disk_and_idle_gpu(tmp_path):
+    from gpuplane.db import events as db_events
+    db, engine = engine_with_run(tmp_path)
+    engine.offer_lifecycle({"id": None, "type": "FAILED", "run_id": 1, "job_id": 5,
+                            "node": "n1", "data": {"failure_kind": "OOM", "attempt": 1,
+                                                   "exit_code": 1}})
+    engine.offer_lifecycle({"id": None, "type": "FAILED", "run_id": 1, "job_id": 5,
+                            "node": "n1", "data": {"failure_kind": "OOM", "attempt": 1}})
+    keys = ["sys/disk_free_mb", "sys/gpu0/util", "sys/cpu_percent"]
+    for i in range(40):                                     # one sample every 10 s
+        engine.offer_points(1, keys, ([0, 1, 2], [i] * 3, [900.0, 4.0, 50.0],
+                                      [i * 10_000] * 3))
+    engine.offer_node_stats("n1", {"disk_free_mb": 100})
+    engine.tick()
+    got = {e["type"]: e for e in db_events.query(db, limit=100)}
+    assert set(got) == {"OOM", "DISK_LOW", "GPU_UNDERUTILIZED"}
+    assert got["OOM"]["job_id"] == 5 and got["OOM"]["severity"] == "critical"
+    assert got["OOM"]["count"] == 1                 # the same failure twice: one event
+    disk = [e for e in db_events.query(db, types=["DISK_LOW"])]
+    assert {(e["run_id"], e["node"]) for e in disk} == {(1, "n1"), (None, "n1")}
+    assert got["GPU_UNDERUTILIZED"]["data"]["mean_util"] == 4.0
+
+
+def test_webhook_from_a_real_server(server):
+    from test_webhooks import Receiver
+    rec = Receiver()
+    try:
+        s = server(f'[[webhooks]]\nurl = "{rec.url}/hook"\nkind = "json"\n'
+                   'min_severity = "critical"\n')
+        run = new_run(s.api)
+        post_points(s.api, run, ["train/loss"], [[0, 1, "NaN", 1]])
+        wait_for(lambda: rec.got, what="the webhook's POST")
+        body = json.loads(rec.got[0]["body"])
+        assert body["type"] == "LOSS_NAN" and body["run_id"] == run
+        assert len(rec.got) == 1          # STARTED (info) is below min_severity
+    finally:
+        rec.close()

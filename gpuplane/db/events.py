@@ -58,9 +58,10 @@ def record(conn, ev, window_ms, now=None):
     if fp and conn.execute("SELECT 1 FROM events WHERE fingerprint = ?", (fp,)).fetchone():
         return None, False
     where, params = ["type = ?", "ts >= ?"], [ev["type"], now - window_ms]
-    for col in ("run_id", "job_id", "node"):
+    for i, col in enumerate(("run_id", "job_id", "node")):
         if ev.get(col) is not None:
-            where.append(f"{col} = ?")
+            # the subject: the run, else the job, else the node (not a run on that node)
+            where.extend([f"{c} IS NULL" for c in ("run_id", "job_id")[:i]] + [f"{col} = ?"])
             params.append(ev[col])
             break
     else:
