@@ -246,6 +246,31 @@ def proc_sample(pid):
                 "rss_mb": p.memory_info().rss / 2**20, "cpu_s": t.user + t.system}
 
 
+def _poll_status(url, token, stop, out):
+    """GET /api/v1/status every 50 ms until stop; sends (latencies, errors, nodes seen
+    not connected) back through `out`."""
+    s = requests.Session()
+    s.headers["Authorization"] = f"Bearer {token}"
+    lat, errors, not_connected = [], [], []
+    while not stop.is_set():
+        t = time.monotonic()
+        try:
+            r = s.get(url + "/api/v1/status", timeout=30)
+            ok = r.status_code == 200
+            body = r.json() if ok else {}
+        except requests.RequestException as e:
+            ok, body = False, {}
+            errors.append(repr(e))
+        lat.append(time.monotonic() - t)
+        if not ok:
+            errors.append("status not 200")
+        down = [n["name"] for n in body.get("nodes", []) if n["state"] != "connected"]
+        if down:
+            not_connected.append(down)
+        stop.wait(0.05)
+    out.send((lat, errors, not_connected))
+
+
 def run_fleet(url, token, pid, agents=32, gpus=8, followers=100, slow=200, seconds=30.0,
               heartbeat_s=5.0, settle_s=10.0, log=print):
     """Run the load against a started server; returns the figures as a dict."""
@@ -283,29 +308,16 @@ def run_fleet(url, token, pid, agents=32, gpus=8, followers=100, slow=200, secon
     slow_clients = SlowClients(host, int(port), slow)
     fols = [Follower(url, token, job_ids[i % len(job_ids)]) for i in range(followers)]
     stop = threading.Event()
-    lat, errors, not_connected = [], [], []
     peak = {"rss_mb": base["rss_mb"], "threads": base["threads"], "fds": base["fds"],
             "db_fds": base["db_fds"]}
 
-    def poll_status():
-        s = requests.Session()
-        s.headers["Authorization"] = f"Bearer {token}"
-        while not stop.is_set():
-            t = time.monotonic()
-            try:
-                r = s.get(url + "/api/v1/status", timeout=30)
-                ok = r.status_code == 200
-                body = r.json() if ok else {}
-            except requests.RequestException as e:
-                ok, body = False, {}
-                errors.append(repr(e))
-            lat.append(time.monotonic() - t)
-            if not ok:
-                errors.append("status not 200")
-            down = [n["name"] for n in body.get("nodes", []) if n["state"] != "connected"]
-            if down:
-                not_connected.append(down)
-            time.sleep(0.05)
+    # The poller runs in a process of its own: in this one a hundred load threads share
+    # the GIL, and their turns would be counted as the server's latency.
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    poll_stop = ctx.Event()
+    reader, writer = ctx.Pipe(duplex=False)
+    poller = ctx.Process(target=_poll_status, args=(url, token, poll_stop, writer), daemon=True)
 
     def sample():
         while not stop.is_set():
@@ -315,16 +327,19 @@ def run_fleet(url, token, pid, agents=32, gpus=8, followers=100, slow=200, secon
             stop.wait(0.5)
 
     cpu0, t0 = proc_sample(pid)["cpu_s"], time.monotonic()
-    threads = [threading.Thread(target=poll_status, daemon=True),
-               threading.Thread(target=sample, daemon=True)]
+    threads = [threading.Thread(target=sample, daemon=True)]
     for t in threads:
         t.start()
+    poller.start()
     slow_clients.start()
     for f in fols:
         f.start()
     stop.wait(seconds)
     cpu1, t1 = proc_sample(pid)["cpu_s"], time.monotonic()
     stop.set()
+    poll_stop.set()
+    lat, errors, not_connected = reader.recv()
+    poller.join(30)
     for t in threads:
         t.join(30)
     jobs_after = api.get(url + "/api/v1/jobs?limit=10000", timeout=30).json()["jobs"]

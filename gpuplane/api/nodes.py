@@ -9,17 +9,19 @@ from . import current_db
 bp = Blueprint("nodes", __name__, url_prefix="/api/v1")
 
 
-def node_views(db):
+def node_views(db, active=None):
     """Nodes with each GPU's live readings and the job holding its slot."""
-    active = jobs.active(db)
+    if active is None:
+        active = jobs.active(db)
+    by_node = {}
+    for j in active:
+        by_node.setdefault(j["node"], []).append(j)
     out = []
     for n in nodes.list_nodes(db):
         stats = {g.get("index"): g for g in (n["stats"] or {}).get("gpus", [])}
         holder = {}
         cpu_jobs = []
-        for j in active:
-            if j["node"] != n["name"]:
-                continue
+        for j in by_node.get(n["name"], ()):
             if j["cpu_only"]:
                 cpu_jobs.append(j["id"])
             for i in j["gpu_indices"] or []:
@@ -67,9 +69,14 @@ def queue():
     return {"jobs": _brief(jobs.queued(current_db()))}
 
 
+def status_view(db):
+    """Nodes, the queue and running jobs (without env) in one read: REST and the stream."""
+    active = jobs.active(db)
+    return {"nodes": node_views(db, active), "queue": _brief(jobs.queued(db)),
+            "running": _brief(active)}
+
+
 @bp.get("/status")
 @requires("read")
 def status():
-    db = current_db()
-    return {"nodes": node_views(db), "queue": _brief(jobs.queued(db)),
-            "running": _brief(jobs.active(db))}
+    return status_view(current_db())

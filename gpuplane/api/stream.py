@@ -20,12 +20,12 @@ import json
 
 from flask import Blueprint, Response, current_app, request
 
-from ..auth import requires
+from ..auth import current_token, requires
 from ..db import events, jobs, logs, metrics, runs
 from ..errors import BadRequest
 from . import current_db
-from .jobs import _gone_check, attempts
-from .nodes import node_views
+from .jobs import REDACTED, _gone_check, attempts
+from .nodes import status_view
 
 bp = Blueprint("stream", __name__, url_prefix="/api/v1")
 
@@ -77,7 +77,9 @@ def stream():
     slots = current_app.config["STREAMS"]
     slots.acquire("sse")        # 503 + Retry-After beyond the followers' share of threads
     gone = _gone_check(request.environ.get("gunicorn.socket"))
-    resp = Response(_run(current_db(), current_app.config["HUB"], topics, gone),
+    # env values go only to write and admin tokens, as on GET /jobs/<id>
+    reveal_env = current_token()["scope"] in ("admin", "write")
+    resp = Response(_run(current_db(), current_app.config["HUB"], topics, gone, reveal_env),
                     mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     resp.call_on_close(lambda: slots.release("sse"))
@@ -94,7 +96,7 @@ def _msg(topic, data):
     return f"data: {json.dumps({'topic': topic, 'data': data}, separators=(',', ':'))}\n\n"
 
 
-def _run(db, hub, topics, gone):
+def _run(db, hub, topics, gone, reveal_env=False):
     yield ": open\n\n"            # headers out now, not at the first change
     state = {}                    # per topic: cursor or last fingerprint
     for name, arg, cur in topics:
@@ -104,7 +106,7 @@ def _run(db, hub, topics, gone):
         version = hub.version
         sent = False
         for (name, arg), seen in list(state.items()):
-            out, state[(name, arg)] = _poll(db, name, arg, seen)
+            out, state[(name, arg)] = _poll(db, name, arg, seen, reveal_env)
             for data in out:
                 sent = True
                 yield _msg(_label(name, arg), data)
@@ -115,7 +117,7 @@ def _run(db, hub, topics, gone):
                 yield ": keepalive\n\n"
 
 
-def _poll(db, name, arg, seen):
+def _poll(db, name, arg, seen, reveal_env=False):
     """(messages to send, new state) for one topic."""
     if name == "logs":
         if seen is None:
@@ -137,10 +139,12 @@ def _poll(db, name, arg, seen):
             return [], seen if seen is not None else 0
         return [{"events": found}], found[-1]["id"]
     if name == "status":
-        data = {"nodes": node_views(db), "queue": jobs.queued(db), "running": jobs.active(db)}
+        data = status_view(db)
     elif name == "job":
         job = jobs.get(db, arg)
         data = job and dict(job, attempts=attempts(db, arg))
+        if data and not reveal_env:
+            data["env"] = {k: REDACTED for k in data.get("env") or {}}
     else:  # run
         data = {"run": runs.get(db, arg), "tips": metrics.tips(db, arg)}
     fingerprint = json.dumps(data, sort_keys=True, default=str)

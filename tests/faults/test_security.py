@@ -158,6 +158,18 @@ def test_read_tokens_see_env_names_not_values(live_server):
         assert listed and all("env" not in j for j in listed), path
     status = viewer.get(live_server.url + "/api/v1/status", timeout=5).json()
     assert "s3cret" not in str(status)
+    # the dashboard's stream too (its job and status topics)
+    with viewer.get(f"{live_server.url}/api/v1/stream?topics=job:{job['id']},status",
+                    stream=True, timeout=10) as s:
+        seen = {}
+        for raw in s.iter_lines(decode_unicode=True):
+            if raw.startswith("data: "):
+                msg = json.loads(raw[6:])
+                seen[msg["topic"]] = msg["data"]
+            if len(seen) == 2:
+                break
+    assert seen[f"job:{job['id']}"]["env"]["WANDB_API_KEY"] == "<redacted>"
+    assert "s3cret" not in json.dumps(seen)
 
 
 def test_job_size_caps_and_nul(live_server):
