@@ -837,3 +837,17 @@ def test_gpuctl_names_itself_in_usage_errors():
     proc = subprocess.run([str(gpuctl), "job", "show", "x"], capture_output=True, text=True,
                           timeout=60, env=_env())
     assert proc.returncode == cli.EXIT_USAGE and "gpuctl job show: error" in proc.stderr
+
+
+def test_up_says_what_it_waits_for_when_it_takes_a_while(monkeypatch, capsys):
+    # Every long wait in the CLI says what it waits for; `up`'s waits after 2 s.
+    from gpuplane.cli import up
+    clock = iter(range(0, 1000))                 # one second per look at the clock
+    monkeypatch.setattr(up.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(up.time, "sleep", lambda s: None)
+    answers = iter([None, None, None, None, "ready"])
+    assert up._wait_for("node 'x' to connect", lambda: next(answers), [], 60) == "ready"
+    err = capsys.readouterr().err
+    assert err.count("waiting for node 'x' to connect (up to 60s)...") == 1
+    with pytest.raises(cli.CliError, match="gave up waiting for the server after 5s"):
+        up._wait_for("the server", lambda: None, [], 5)
