@@ -90,3 +90,34 @@ def test_submit_checkpoints_evaluate_recommend(live_server, agent_factory, tmp_p
     board = api.get("/api/v1/projects/demo/experiments/lr-sweep/runs", expect=200)
     best_run = next(c["run_id"] for c in ckpts if c["id"] == best)
     assert [r["id"] for r in board["runs"]][0] == best_run and len(board["runs"]) == 2
+
+
+def test_a_file_seen_by_the_watcher_and_the_sdk_is_one_checkpoint(live_server, agent_factory,
+                                                                    tmp_path):
+    agent_factory(live_server, fake_gpus=1, cpu_slots=2)
+    api = live_server.api
+    script = tmp_path / "save.py"
+    script.write_text(
+        "import os\n"
+        "from gpuctl import run\n"
+        "os.makedirs('ckpt', exist_ok=True)\n"
+        "run.log({'train/loss': 0.5}, step=10)\n"
+        "with open('ckpt/model_step10.pt', 'wb') as f:\n"
+        "    f.write(b'w' * 64)\n"
+        "run.log_checkpoint('ckpt/model_step10.pt', step=12, epoch=1)\n"
+        "run.log({'train/loss': 0.4}, step=20)\n")
+    job = api.submit([sys.executable, "save.py"], tmp_path, cpu_only=True,
+                     watch_dir="ckpt", project="dedupe")
+    job = api.wait_job(job["id"], timeout=60)
+    assert job["state"] == "SUCCEEDED", api.get(f"/api/v1/jobs/{job['id']}/logs")
+    path = str(tmp_path / "ckpt" / "model_step10.pt")
+
+    def seen_by_both():
+        cks = api.get(f"/api/v1/runs/{job['run_id']}/checkpoints")["checkpoints"]
+        return len(cks) == 1 and cks[0]["fingerprint"] and cks[0]["format"] == "pt" and cks
+    # the SDK's record and the watcher's final scan both arrive; one row, the SDK's step
+    [c] = wait_for(seen_by_both, timeout=30, what="the watcher's sighting of the SDK's file")
+    assert c["path"] == path and c["step"] == 12 and c["step_source"] == "given"
+    assert c["size_bytes"] == 64
+    shown = api.get(f"/api/v1/checkpoints/{c['id']}")
+    assert shown["metrics"]["train/loss"] == {"step": 10, "value": 0.5}
