@@ -239,3 +239,25 @@ def test_metric_definition_set_from_the_page(open_page, cluster):
     defs = server.api.get("/api/v1/metric-definitions", expect=200)["definitions"]
     assert any(d["key"] == "val/score" and d["direction"] == "max" and d["primary"] for d in defs)
     w.assert_clean()
+
+
+def test_live_updates_resume_after_a_server_restart_without_a_reload(open_page, cluster):
+    # Last in this module: it restarts the module's server.
+    server = cluster[0]
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/")
+    page.wait_for_selector("#nodes .node")
+    page.wait_for_function("() => window.gpuplane.live.state === 'live'")
+    page.evaluate("() => { window.notReloaded = true; }")
+    server.restart()
+    queued = server.api.submit(["true"], "/tmp", name="after-restart", gpus=64)
+    page.wait_for_selector(f"#queue a[href='#/jobs/{queued['id']}']", timeout=60_000)
+    assert page.evaluate("() => window.notReloaded === true")
+    assert page.evaluate("() => window.gpuplane.live.state") == "live"
+    server.api.post(f"/api/v1/jobs/{queued['id']}/cancel", expect=200)
+    # The restart's failed reconnects are network errors in the console; nothing else.
+    assert all("ERR_CONNECTION_REFUSED" in e or "Failed to load resource" in e
+               for e in w.errors), w.errors
+    w.errors.clear()
+    w.assert_clean()
