@@ -349,6 +349,16 @@ class Lifecycle:
                 self._event(t, NODE_DOWN, f"node {node} disconnected", node=node,
                             severity="warning")
 
+    def server_started(self):
+        """A new server process holds no agent connection yet, whatever the database says
+        (a crash leaves nodes 'connected'): every node is down from now, so one that never
+        comes back still has its jobs declared lost after the grace period. One NODE_DOWN
+        event per node the database still called connected."""
+        with self.transaction() as t:
+            for node in nodes.all_disconnected(t.conn):
+                self._event(t, NODE_DOWN, f"node {node} has not reconnected to the new "
+                            "server process yet", node=node, severity="warning")
+
     def node_lost(self, node, grace_s):
         """The node has been gone longer than the grace period: each of its active
         attempts is finished NODE_LOST (retried while attempts remain), one transaction

@@ -32,7 +32,7 @@ class Scheduler(Worker):
         # A new server process holds no agent connection yet, whatever the database says
         # (a crash leaves nodes 'connected'): their grace period starts now, so a node
         # that never comes back still has its jobs declared NODE_LOST.
-        nodes.all_disconnected(self.db)
+        self.lifecycle.server_started()
         super().start()
 
     def tick(self):

@@ -286,3 +286,15 @@ def test_one_checkpoint_per_run_and_path(w):
     assert a == b == d and e != a
     row = checkpoints.get(w.db, a)
     assert (row["fingerprint"], row["size_bytes"], row["step"]) == ("fp2", 6, 10)
+
+
+def test_a_new_server_process_takes_every_node_down_once(w):
+    w.lc.node_up({"node": "n1", "epoch": "e", "gpus": []})
+    w.lc.node_up({"node": "n2", "epoch": "e", "gpus": []})
+    w.lc.node_down("n2")
+    _, evs = w.new_events(w.lc.server_started)
+    assert [(e["type"], e["node"]) for e in evs] == [("NODE_DOWN", "n1")]
+    from gpuplane.db import nodes
+    assert all(n["state"] == "disconnected" for n in nodes.list_nodes(w.db))
+    _, evs = w.new_events(w.lc.server_started)
+    assert evs == []

@@ -68,11 +68,13 @@ def disconnected(conn, name):
         " WHERE name = ? AND state = 'connected'", (now_ms(), name)).rowcount > 0
 
 
-def all_disconnected(db):
-    """At server start nobody is connected yet; the grace period starts now."""
-    with db.tx() as c:
-        c.execute("UPDATE nodes SET state = 'disconnected', synced = 0, disconnected_at = ?"
-                  " WHERE state = 'connected' OR disconnected_at IS NULL", (now_ms(),))
+def all_disconnected(conn):
+    """At server start nobody is connected yet; the grace period starts now. Returns the
+    names of the nodes the database still called connected."""
+    names = [r[0] for r in conn.execute("SELECT name FROM nodes WHERE state = 'connected'")]
+    conn.execute("UPDATE nodes SET state = 'disconnected', synced = 0, disconnected_at = ?"
+                 " WHERE state = 'connected' OR disconnected_at IS NULL", (now_ms(),))
+    return names
 
 
 def list_nodes(db):
