@@ -21,7 +21,8 @@ bp = Blueprint("events", __name__, url_prefix="/api/v1")
 
 KEEPALIVE_S = 15
 POLL_S = 1.0          # events written outside the engine (lifecycle) are seen this soon
-_AGE = re.compile(r"^(\d+)\s*(s|m|h|d)$")
+_DIGITS = re.compile(r"^[0-9]{1,30}$")      # str.isdigit() also takes "²", int() does not
+_AGE = re.compile(r"^([0-9]{1,9})\s*(s|m|h|d)$")
 _UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
@@ -30,7 +31,7 @@ def _since():
     if not raw:
         return None
     raw = raw.strip()
-    if raw.isdigit():
+    if _DIGITS.match(raw):
         v = int(raw)
         if v >= 2**63:
             raise BadRequest("'since' is out of range; send milliseconds since the epoch")
@@ -82,7 +83,7 @@ def _last_event_id():
     if raw is None or raw == "":
         return None
     raw = raw.strip()
-    if not raw.isdigit() or int(raw) >= 2**63:
+    if not _DIGITS.match(raw) or int(raw) >= 2**63:
         raise BadRequest("Last-Event-ID (or 'after') must be the id of an event this stream "
                          "sent: an integer from 0 to 2**63-1")
     return int(raw)
