@@ -12,8 +12,17 @@ import tomllib
 import pytest
 import requests
 
-from procs import ROOT, _clean_env
+from procs import ROOT, ServerProc, _clean_env
 from .helpers import db_path, report, wait_for
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server for the tests that need no settings of their own and leave nothing
+    another test could trip on (each server start and stop costs seconds)."""
+    s = ServerProc(tmp_path_factory.mktemp("shared") / "server").start()
+    yield s
+    s.stop()
 
 
 def _slow_client(port):
@@ -132,9 +141,9 @@ def test_short_admin_token_refused_at_start(tmp_path):
     assert "admin_token in server.toml must be a string of at least 16" in out.stderr
 
 
-def test_server_files_are_private(live_server):
-    home = live_server.home
-    live_server.api.submit(["true"], "/tmp", env={"WANDB_API_KEY": "secret"})
+def test_server_files_are_private(shared):
+    home = shared.home
+    shared.api.submit(["true"], "/tmp", env={"WANDB_API_KEY": "secret"})
     assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(home / "server").st_mode) == 0o700
     files = [home / "server.toml", *home.glob("server/gpuctl.db*")]
@@ -143,23 +152,23 @@ def test_server_files_are_private(live_server):
     assert set(modes.values()) == {"0o600"}, modes
 
 
-def test_read_tokens_see_env_names_not_values(live_server):
-    api = live_server.api
+def test_read_tokens_see_env_names_not_values(shared):
+    api = shared.api
     job = api.submit(["true"], "/tmp", env={"WANDB_API_KEY": "s3cret", "LR": "0.1"})
     read = api.post("/api/v1/tokens", {"name": "viewer", "scope": "read"}, expect=201)
     viewer = requests.Session()
     viewer.headers["Authorization"] = f"Bearer {read['token']}"
-    seen = viewer.get(f"{live_server.url}/api/v1/jobs/{job['id']}", timeout=5).json()
+    seen = viewer.get(f"{shared.url}/api/v1/jobs/{job['id']}", timeout=5).json()
     assert seen["env"] == {"WANDB_API_KEY": "<redacted>", "LR": "<redacted>"}
     assert api.job(job["id"])["env"]["WANDB_API_KEY"] == "s3cret"     # a write token sees it
     # list views leave env out for everyone
     for path, key in (("/api/v1/jobs", "jobs"), ("/api/v1/queue", "jobs")):
-        listed = viewer.get(live_server.url + path, timeout=5).json()[key]
+        listed = viewer.get(shared.url + path, timeout=5).json()[key]
         assert listed and all("env" not in j for j in listed), path
-    status = viewer.get(live_server.url + "/api/v1/status", timeout=5).json()
+    status = viewer.get(shared.url + "/api/v1/status", timeout=5).json()
     assert "s3cret" not in str(status)
     # the dashboard's stream too (its job and status topics)
-    with viewer.get(f"{live_server.url}/api/v1/stream?topics=job:{job['id']},status",
+    with viewer.get(f"{shared.url}/api/v1/stream?topics=job:{job['id']},status",
                     stream=True, timeout=10) as s:
         seen = {}
         for raw in s.iter_lines(decode_unicode=True):
@@ -172,8 +181,8 @@ def test_read_tokens_see_env_names_not_values(live_server):
     assert "s3cret" not in json.dumps(seen)
 
 
-def test_job_size_caps_and_nul(live_server):
-    api = live_server.api
+def test_job_size_caps_and_nul(shared):
+    api = shared.api
     big_env = {f"K{i}": "x" * 1000 for i in range(70)}
     api.post("/api/v1/jobs", {"command": ["true"], "working_dir": "/tmp", "env": big_env},
              expect=413)
@@ -186,14 +195,14 @@ def test_job_size_caps_and_nul(live_server):
     api.post("/api/v1/jobs", {"command": "echo a\0b", "working_dir": "/tmp"}, expect=400)
 
 
-def test_last_event_id_out_of_range_is_a_400(live_server):
-    job = live_server.api.submit(["true"], "/tmp", gpus=1)
+def test_last_event_id_out_of_range_is_a_400(shared):
+    job = shared.api.submit(["true"], "/tmp", gpus=1)
     for bad in (str(2**63), str(2**70), "-1"):
-        r = requests.get(f"{live_server.url}/api/v1/jobs/{job['id']}/logs/stream",
-                         headers={"Authorization": f"Bearer {live_server.token}",
+        r = requests.get(f"{shared.url}/api/v1/jobs/{job['id']}/logs/stream",
+                         headers={"Authorization": f"Bearer {shared.token}",
                                   "Last-Event-ID": bad}, timeout=5)
         assert r.status_code == 400, (bad, r.status_code)
-    assert "OverflowError" not in live_server.log_path.read_text()
+    assert "OverflowError" not in shared.log_path.read_text()
 
 
 @pytest.mark.parametrize("method,path,auth,status", [
@@ -201,21 +210,21 @@ def test_last_event_id_out_of_range_is_a_400(live_server):
     ("POST", "/api/v1/runs/999999/metrics", True, 404),
     ("PUT", "/api/v1/jobs", True, 405),
 ])
-def test_an_unread_large_body_does_not_break_the_next_request(live_server, method, path,
+def test_an_unread_large_body_does_not_break_the_next_request(shared, method, path,
                                                               auth, status):
     # Before: 'Connection: keep-alive', then gunicorn dropped the connection (it drains
     # at most 64 KiB), and the client's next request on it got no answer.
     s = requests.Session()
     if auth:
-        s.headers["Authorization"] = f"Bearer {live_server.token}"
+        s.headers["Authorization"] = f"Bearer {shared.token}"
     body = b'{"points": [' + b'["loss", 1, 0.5],' * 9000 + b'["loss", 2, 0.5]]}'
     assert len(body) > 140_000
-    r = s.request(method, live_server.url + path, data=body,
+    r = s.request(method, shared.url + path, data=body,
                   headers={"Content-Type": "application/json"}, timeout=10)
     assert r.status_code == status
     assert r.json()["error"]["code"]
     # the same session's next request is answered
-    assert s.get(live_server.url + "/api/v1/health", timeout=10).status_code == 200
+    assert s.get(shared.url + "/api/v1/health", timeout=10).status_code == 200
 
 
 def test_a_database_that_cannot_be_written_is_a_503_and_health_says_so(tmp_path):
@@ -335,17 +344,17 @@ def _gated(tmp_path, name):
     return [PY, str(script)]
 
 
-def test_agent_tokens_are_bound_to_their_node(live_server):
-    api = live_server.api
+def test_agent_tokens_are_bound_to_their_node(shared):
+    api = shared.api
     api.post("/api/v1/tokens", {"name": "unbound", "scope": "agent"}, expect=400)
     assert "node" in api.last.json()["error"]["message"]
-    token = _agent_token(live_server, "node-a")
-    assert requests.get(live_server.url + "/api/v1/auth/whoami", timeout=5,
+    token = _agent_token(shared, "node-a")
+    assert requests.get(shared.url + "/api/v1/auth/whoami", timeout=5,
                         headers={"Authorization": f"Bearer {token}"}).json()["node"] == "node-a"
-    imposter = WsAgent(live_server, token, "node-b")
+    imposter = WsAgent(shared, token, "node-b")
     imposter.send({"type": "hello", "node": "node-b", "epoch": "e", "gpus": []})
     assert imposter.close_code() == 4403
-    honest = WsAgent(live_server, token, "node-a")
+    honest = WsAgent(shared, token, "node-a")
     honest.hello()
     honest.close()
     assert all(n["name"] != "node-b" for n in api.get("/api/v1/nodes")["nodes"])
@@ -450,9 +459,9 @@ def test_an_exit_acked_then_lost_is_reconciled(live_server):
     assert first["state"] == "FAILED" and first["failure_kind"] in ("LOST", "NODE_LOST"), first
 
 
-def test_cli_makes_agent_tokens_bound_to_a_node(live_server):
-    env = dict(_clean_env(live_server.home), GPUCTL_TOKEN=live_server.token,
-               GPUCTL_SERVER=live_server.url)
+def test_cli_makes_agent_tokens_bound_to_a_node(shared):
+    env = dict(_clean_env(shared.home), GPUCTL_TOKEN=shared.token,
+               GPUCTL_SERVER=shared.url)
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "gpuplane", *args], cwd=ROOT, env=env,
@@ -477,7 +486,7 @@ def test_fleet_bounded(server_factory):
     server = server_factory({"threads": 16, "agent_threads": 4, "rest_threads": 4,
                              "header_timeout_s": 1, "heartbeat_s": 1})
     r = fleet.run_fleet(server.url, server.token, worker_pid(server), agents=3, gpus=2,
-                        followers=12, slow=40, seconds=6, heartbeat_s=1, settle_s=15,
+                        followers=12, slow=40, seconds=3, heartbeat_s=1, settle_s=15,
                         log=lambda *a: None)
     report("fleet-bounded", **r)
     assert r["agent_errors"] == 0 and r["agent_batches"] > 0
