@@ -26,9 +26,11 @@ from gunicorn.workers.gthread import ThreadWorker
 HEADER_TIMEOUT_ENV = "GPUPLANE_HEADER_TIMEOUT_S"
 IO_TIMEOUT_ENV = "GPUPLANE_IO_TIMEOUT_S"
 MAX_HEADER_BYTES = 64 * 1024
+_TOO_LARGE_BODY = (b'{"error": {"code": "HeadersTooLarge", "message": "request headers over '
+                   b'64 KiB; send fewer"}}\n')
 _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
-              b"Content-Type: application/json\r\nContent-Length: 99\r\n\r\n"
-              b'{"error": {"code": "HeadersTooLarge", "message": "request headers over 64 KiB; send fewer"}}\n')
+              b"Content-Type: application/json\r\nContent-Length: "
+              + str(len(_TOO_LARGE_BODY)).encode() + b"\r\n\r\n" + _TOO_LARGE_BODY)
 
 
 class ElasticPool(futures.Executor):

@@ -54,6 +54,11 @@ def test_clients_that_never_finish_their_headers_are_dropped(server_factory):
         report("slow-headers", clients=len(slow), dropped=dropped)
         assert dropped == len(slow)
         server.api.get("/api/v1/status", expect=200, timeout=5)
+        # endless headers: a 431 with the error shape once they pass 64 KiB
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as big:
+            big.sendall(b"GET / HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 70_000)
+            answer = big.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 431") and b"HeadersTooLarge" in answer
     finally:
         for s in slow + idle:
             s.close()
