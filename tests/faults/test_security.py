@@ -500,3 +500,33 @@ def test_fleet_bounded(server_factory):
     assert r["followers_admitted"] == 8 and r["followers_503"] == 4   # 16 - 4 - 4
     assert r["slow_dropped_by_server"] >= 40
     assert r["back_to_baseline_s"] is not None, r
+
+
+def test_the_ack_transaction_is_durable(tmp_path):
+    # The agent forgets what was acked: that commit is fsynced (synchronous=FULL); the
+    # others stay NORMAL (WAL: never corrupt, may lose the last commits on power loss).
+    from gpuplane.db import Database
+    db = Database(tmp_path / "d.db")
+    with db.tx(durable=True) as c:
+        assert c.execute("PRAGMA synchronous").fetchone()[0] == 2
+    with db.tx() as c:
+        assert c.execute("PRAGMA synchronous").fetchone()[0] == 1
+    # and the gateway's batch apply (the transaction its ack stands for) asks for it
+    from gpuplane.config import ServerConfig
+    from gpuplane.gateway import Gateway
+    from gpuplane.hub import Hub
+    from gpuplane.lifecycle import Lifecycle
+    hub = Hub()
+    lc = Lifecycle(db, publish=hub.publish)
+    g = Gateway(db, hub, ServerConfig(home=str(tmp_path)), lc)
+    lc.node_up({"node": "n1", "epoch": "E", "gpus": []})
+    seen, real_tx = [], db.tx
+
+    def tx(durable=False):
+        seen.append(durable)
+        return real_tx(durable=durable)
+    db.tx = tx
+    ack = g.apply_batch("n1", {"type": "batch", "epoch": "E", "records": [
+        {"seq": 1, "kind": "node_stats", "gpus": [], "host": {}}]})
+    assert ack == {"type": "ack", "seq": 1}
+    assert seen[0] is True
