@@ -29,7 +29,7 @@ def add_parser(subparsers):
     p.add_argument("--port", type=port_type, help="port (default: server.toml, else 8600)")
     p.add_argument("--threads", type=positive_int,
                    help="worker threads; each log follower, dashboard stream and agent "
-                        "holds one (default: server.toml, else 64)")
+                        "holds one (default: server.toml, else 112)")
     p.set_defaults(func=cmd_server)
 
     # No options of its own (prefix "+"), so every "--flag" after `agent` reaches the agent.
