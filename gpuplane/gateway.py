@@ -494,8 +494,19 @@ def _protocol(message, code=CLOSE_PROTOCOL):
     return e
 
 
+CLOSE_LINGER_S = 1.0
+
+
 def _close(ws, code, reason):
     try:
         ws.close(code, reason[:120])
     except Exception:
-        pass
+        return
+    # An agent sends its hello without waiting; if that frame reaches a socket we have
+    # already closed, the kernel answers with a reset that can destroy our close frame
+    # in the agent's buffer, and it sees 1005 instead of the code (4401 means "your
+    # token", which it must tell from a network failure). The reader thread closes the
+    # socket once it has read what the peer sent: give it a moment to.
+    thread = getattr(ws, "thread", None)
+    if thread is not None:
+        thread.join(CLOSE_LINGER_S)
