@@ -479,13 +479,15 @@ def test_cli_makes_agent_tokens_bound_to_a_node(shared):
     assert out.returncode == 2 and "--agent NODE" in out.stderr
 
 
-def test_fleet_bounded(server_factory):
+def test_fleet_bounded(server_factory, monkeypatch):
     """bench/fleet.py at small counts: simulated agents with jobs running and telemetry
     flowing, SSE followers beyond their cap, clients that never finish their headers.
     No node is seen disconnected, no job loses its attempt, /status answers throughout;
     threads and sockets come back (no timing assertions: the figures are in
     docs/benchmarks.md)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    # prepended for this test only: left on sys.path, bench/mcp.py would shadow the mcp
+    # package for every later test (test_agent_files imports mcp.server)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import fleet
     from .helpers import worker_pid
     server = server_factory({"threads": 16, "agent_threads": 4, "rest_threads": 4,
