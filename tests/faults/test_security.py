@@ -485,8 +485,6 @@ def test_fleet_bounded(server_factory, monkeypatch):
     No node is seen disconnected, no job loses its attempt, /status answers throughout;
     threads and sockets come back (no timing assertions: the figures are in
     docs/benchmarks.md)."""
-    # prepended for this test only: left on sys.path, bench/mcp.py would shadow the mcp
-    # package for every later test (test_agent_files imports mcp.server)
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import fleet
     from .helpers import worker_pid

@@ -9,7 +9,7 @@ serves it; `gpuplane-mcp` runs over stdio, driven by the mcp package's client. T
   curve from all of its raw points (loaded with SQL, no HTTP) in the same run.
 Medians and p95.
 
-    .venv/bin/python bench/mcp.py [--points 1000000] [--calls 50]
+    .venv/bin/python bench/mcp_tools.py [--points 1000000] [--calls 50]
 """
 import argparse
 import asyncio
@@ -31,9 +31,6 @@ from gpuplane import rollup, semantic  # noqa: E402
 from gpuplane.db import Database, checkpoints, metrics, runs  # noqa: E402
 from harness import ROOT, free_port, start_server, stop_server  # noqa: E402
 
-# This file is bench/mcp.py: with bench/ on the path, `import mcp` would find it, not the
-# mcp package.
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != BENCH]
 
 CHECKPOINTS = 50
 
