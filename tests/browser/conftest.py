@@ -34,7 +34,7 @@ if not pathlib.Path(CHROMIUM).exists():
                 allow_module_level=True)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("browser")
     server = ServerProc(home / "server").start()
@@ -46,7 +46,7 @@ def cluster(tmp_path_factory):
     kill_leftover_jobs(agent.home)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
