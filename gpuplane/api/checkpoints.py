@@ -15,21 +15,14 @@ import posixpath
 from flask import Blueprint, request
 
 from ..auth import requires
-from ..db import checkpoints, jobs, projects, runs
+from ..db import checkpoints, jobs, projects
 from ..errors import BadRequest, NotFound
 from .. import evaluations, metricwire, recommend as rec
 from .validate import body, field, query_int
 from . import current_db, current_lifecycle
-from .runs import writable_run
+from .runs import run_or_404 as _run_or_404, writable_run
 
 bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
-
-
-def _run_or_404(run_id):
-    run = runs.get(current_db(), run_id)
-    if run is None:
-        raise NotFound(f"run {run_id} does not exist; list runs with `gpuplane run list`")
-    return run
 
 
 def _checkpoint_or_404(checkpoint_id):
