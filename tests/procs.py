@@ -170,7 +170,9 @@ class AgentProc:
         self.server = server
         self.home = pathlib.Path(home)
         self.name = name
-        self.args = ["--server", server.url, "--token", server.token, "--name", name,
+        # The token goes in agent.toml (0600), as docs/deploy.md says: not on a command
+        # line, where `ps` shows it, nor in the environment.
+        self.args = ["--name", name,
                      "--home", str(self.home), "--fake-gpus", str(fake_gpus),
                      "--cpu-slots", str(cpu_slots), "--heartbeat", "1",
                      "--stats-interval", "2", *extra]
@@ -179,6 +181,9 @@ class AgentProc:
 
     def start(self, wait=True):
         self.home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.home / "agent.toml", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'server = "{self.server.url}"\ntoken = "{self.server.token}"\n')
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, str(AGENT), *self.args], cwd=ROOT,
                                      env=_clean_env(self.home), stdout=log,
