@@ -9,7 +9,6 @@
   GET  /evaluations/<id>
   GET  /checkpoints:recommend?experiment=&project=|run=&key=
 """
-import math
 import posixpath
 
 from flask import Blueprint, request
@@ -18,7 +17,7 @@ from ..auth import requires
 from ..db import checkpoints, jobs, projects
 from ..errors import BadRequest, NotFound
 from .. import evaluations, metricwire, recommend as rec
-from .validate import body, field, query_int
+from .validate import body, field, opt_number, query_int
 from . import current_db, current_lifecycle
 from .runs import run_or_404 as _run_or_404, writable_run
 
@@ -31,18 +30,6 @@ def _checkpoint_or_404(checkpoint_id):
         raise NotFound(f"checkpoint {checkpoint_id} does not exist; list checkpoints with "
                        "`gpuplane ckpt list`")
     return ckpt
-
-
-def _opt_number(data, name, kind):
-    v = data.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            isinstance(v, float) and not math.isfinite(v)):
-        raise BadRequest(f"'{name}' must be a number or null")
-    if kind is int and not 0 <= v < 2**63:
-        raise BadRequest(f"'{name}' must be from 0 to 2**63-1")
-    return kind(v)
 
 
 def _encode_values(values):
@@ -88,9 +75,9 @@ def register(run_id):
     path = posixpath.normpath(path)
     with current_db().tx() as c:
         checkpoint_id, created = checkpoints.register(
-            c, run_id, path, step=_opt_number(data, "step", int),
-            epoch=_opt_number(data, "epoch", float),
-            size_bytes=_opt_number(data, "size_bytes", int),
+            c, run_id, path, step=opt_number(data, "step", int),
+            epoch=opt_number(data, "epoch", float),
+            size_bytes=opt_number(data, "size_bytes", int),
             fingerprint=field(data, "fingerprint", str, None, max_len=200, nullable=True),
             fmt=field(data, "format", str, None, max_len=40, nullable=True),
             source=field(data, "source", str, "sdk", choices=("sdk", "import")))

@@ -213,20 +213,20 @@ def _queued_only(job, verb):
 @bp.post("/jobs/<int:job_id>/hold")
 @requires("write")
 def hold(job_id):
-    _job_or_404(job_id)
-    job, ok = current_lifecycle().hold(job_id, True)
-    if not ok:
-        _queued_only(job, "held")
-    return job_view(job)
+    return _set_held(job_id, True)
 
 
 @bp.post("/jobs/<int:job_id>/release")
 @requires("write")
 def release(job_id):
+    return _set_held(job_id, False)
+
+
+def _set_held(job_id, held):
     _job_or_404(job_id)
-    job, ok = current_lifecycle().hold(job_id, False)
+    job, ok = current_lifecycle().hold(job_id, held)
     if not ok:
-        _queued_only(job, "released")
+        _queued_only(job, "held" if held else "released")
     return job_view(job)
 
 

@@ -1,12 +1,11 @@
 """Runs: list and show; SDK registration, finish and events (checkpoints: api/checkpoints.py)."""
-import math
 
 from flask import Blueprint, current_app, request
 
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
 from ..errors import BadRequest, Conflict, NotFound
-from .validate import body, field, query_int
+from .validate import body, field, opt_number, query_int
 from . import current_db, current_lifecycle
 
 bp = Blueprint("runs", __name__, url_prefix="/api/v1")
@@ -99,16 +98,6 @@ def finish(run_id):
     return runs.get(current_db(), run_id)
 
 
-def _opt_number(data, name, kind):
-    v = data.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            isinstance(v, float) and not math.isfinite(v)):
-        raise BadRequest(f"'{name}' must be a number or null")
-    return kind(v)
-
-
 @bp.post("/runs/<int:run_id>/events")
 @requires("run")
 def add_event(run_id):
@@ -116,8 +105,8 @@ def add_event(run_id):
     data = body()
     name = field(data, "name", str, max_len=200)
     payload = field(data, "data", dict, {})
-    step = _opt_number(data, "step", int)
-    ts = _opt_number(data, "ts", int) or now_ms()
+    step = opt_number(data, "step", int)
+    ts = opt_number(data, "ts", int) or now_ms()
     # debounced per run and name, a flood counted (gpuplane/events.py, docs/events.md)
     event_id, added = current_app.config["EVENTS"].record_user_event(
         run, name, payload, step, ts)

@@ -60,6 +60,19 @@ def field(data, name, kind, default=_MISSING, *, min=None, max=None, choices=Non
     return v
 
 
+def opt_number(data, name, kind):
+    """An optional number field (int or float), None when absent; ints from 0 to 2**63-1."""
+    v = data.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            isinstance(v, float) and not math.isfinite(v)):
+        raise BadRequest(f"'{name}' must be a number or null")
+    if kind is int and not 0 <= v < 2**63:
+        raise BadRequest(f"'{name}' must be from 0 to 2**63-1")
+    return kind(v)
+
+
 def query_int(name, default, *, min=None, max=None):
     raw = request.args.get(name)
     if raw is None or raw == "":
