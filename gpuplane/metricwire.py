@@ -171,4 +171,4 @@ def encode(v):
 
 def encode_points(pts):
     return [[s, encode(mn), encode(mx), encode(mean), encode(last), n]
-            for s, mn, mx, mean, last, n in pts]
+            for s, mn, mx, mean, last, n, *_ in pts]

@@ -13,7 +13,10 @@ from .db.metrics import BASE, LEVELS
 from .metricwire import MAX_STEP, encode
 
 def series(db, key_id, max_points=1000, from_step=None, to_step=None):
-    """A downsampled series: (level, [(first_step, min, max, mean, last, count), ...]).
+    """A downsampled series: (level, [(first_step, min, max, mean, last, count, ts), ...]).
+
+    `ts` is the earliest time (ms) of the bucket's points, its place on a wall-clock axis
+    (None for a bucket whose raw points were pruned before rollups kept a time).
 
     At most `max_points` buckets. The level (bucket width in steps, 1 = raw) is the
     coarsest stored level that still gives >= max_points/2 buckets in the range; when it
@@ -85,7 +88,8 @@ def _rows_at(conn, key_id, w, lo, hi, rolled, top):
 def _fold(a, b):
     """Two rollup-shaped rows (a before b) as one."""
     return (a[0], a[1], b[2], _pick(min, a[3], b[3]), _pick(max, a[4], b[4]),
-            _pick(operator.add, a[5], b[5]), a[6] + b[6], a[7] + b[7], b[8])
+            _pick(operator.add, a[5], b[5]), a[6] + b[6], a[7] + b[7], b[8],
+            _pick(min, a[9], b[9]))
 
 
 def _pick(fn, x, y):
@@ -97,14 +101,14 @@ def _pick(fn, x, y):
 
 
 def _merge(rows, w, max_points):
-    """Rows (bucket, first, last, min, max, sum, count, vcount, last_value) -> at most
-    max_points output points, merging aligned groups of f neighbouring buckets."""
+    """Rows (bucket, first, last, min, max, sum, count, vcount, last_value, first_ts) -> at
+    most max_points output points, merging aligned groups of f neighbouring buckets."""
     f = max(1, -(-len(rows) // max_points))
     while f > 1 and len({r[0] // f for r in rows}) > max_points:
         f += 1
     if f == 1:
-        return w, [(fs, mn, mx, _mean(sm, nv), last, n)
-                   for b, fs, ls, mn, mx, sm, n, nv, last in rows]
+        return w, [(fs, mn, mx, _mean(sm, nv), last, n, ts)
+                   for b, fs, ls, mn, mx, sm, n, nv, last, ts in rows]
     merged = []
     for r in rows:
         r = (r[0] // f, *r[1:])
@@ -112,8 +116,8 @@ def _merge(rows, w, max_points):
             merged[-1] = _fold(merged[-1], r)
         else:
             merged.append(r)
-    return w * f, [(fs, mn, mx, _mean(sm, nv), last, n)
-                   for b, fs, ls, mn, mx, sm, n, nv, last in merged]
+    return w * f, [(fs, mn, mx, _mean(sm, nv), last, n, ts)
+                   for b, fs, ls, mn, mx, sm, n, nv, last, ts in merged]
 
 
 def _mean(sm, nv):
@@ -163,7 +167,7 @@ def key_summary(db, key_id, key, d=None):
     count, first, last_step = 0, None, None
     best = None          # (value, width, row)
     for w, row in _cover(conn, key_id, rolled, top):
-        b, fs, ls, mn, mx, sm, n, nv, lv = row
+        b, fs, ls, mn, mx, sm, n, nv, lv, _ = row
         count += n
         first = fs if first is None else min(first, fs)
         last_step = ls if last_step is None else max(last_step, ls)

@@ -70,6 +70,7 @@ def test_roundtrip_raw(client):
     s = get(client, f"/api/v1/runs/{run}/metrics/train/loss")
     assert s["key"] == "train/loss" and s["run_id"] == run and s["level"] == 1
     assert s["points"] == [[0, 2.0, 2.0, 2.0, 2.0, 1], [1, 1.5, 1.5, 1.5, 1.5, 1]]
+    assert s["ts"] == [TS, TS + 1]              # each point's time, for a wall-clock axis
     summary = get(client, f"/api/v1/runs/{run}/metrics")
     by_key = {k["key"]: k for k in summary["keys"]}
     assert set(by_key) == {"train/loss", "train/acc"}
@@ -385,12 +386,15 @@ def test_direction(key, want):
 def test_multi_run_series(client):
     a, b, c = new_run(client, "a"), new_run(client, "b"), new_run(client, "c")
     post(client, a, ["train/loss"], [[0, s, 1.0, TS] for s in range(50)])
-    post(client, b, ["train/loss"], [[0, s, 2.0, TS] for s in range(5000)])
+    post(client, b, ["train/loss"], [[0, s, 2.0, TS + 10 * s] for s in range(5000)])
     post(client, c, ["other"], [[0, 0, 1.0, TS]])
     s = get(client, f"/api/v1/metrics/series?runs={a},{b},{c}&key=train/loss&max_points=100")
     by_run = {x["run_id"]: x for x in s["series"]}
     assert len(by_run[a]["points"]) == 50 and by_run[a]["level"] == 1
     assert 0 < len(by_run[b]["points"]) <= 100 and by_run[b]["points"][0][1] == 2.0
+    # each bucket's time is its first point's: step 10 ms apart here
+    assert by_run[b]["ts"] == [TS + 10 * p[0] for p in by_run[b]["points"]]
+    assert by_run[a]["ts"] == [TS] * 50 and by_run[c]["ts"] == []
     assert by_run[c]["missing"] is True and by_run[c]["points"] == []
     err = get(client, f"/api/v1/metrics/series?runs={c}&key=train/loss", expect=404)
     assert "other" in err["error"]["message"]

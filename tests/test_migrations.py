@@ -73,3 +73,53 @@ def test_opening_twice_does_not_migrate_again(tmp_path):
     Database(path).close()
     db = Database(path)
     assert db.query_one("SELECT count(*) FROM jobs")[0] == 2
+
+
+def test_a_v7_database_gets_a_time_on_every_rollup_bucket(tmp_path):
+    """Schema v8 gave rollup buckets a time (first_ts); v7 buckets are backfilled from their
+    raw points, each level from the one below, and read as today's rollup writes them."""
+    from gpuplane import rollup
+    ref = Database(tmp_path / "ref.db")
+    with ref.tx() as c:
+        run_id = runs.create(c, source="sdk", state="RUNNING")
+    t0 = 1_764_000_000_000
+    store = metrics.MetricStore(ref)
+    store.ingest(run_id, ["loss", "acc"], [[k, s, 1.0 / (s + 1), t0 + 1000 * s + 37 * k]
+                                            for s in range(20_000) for k in (0, 1)])
+    rollup.roll_up(ref)
+    ref.close()
+    # The same rows in a v7 database: what the v7 rollup wrote, less the new column.
+    path = tmp_path / "v7.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:7]) + "\nPRAGMA user_version=7;\nCOMMIT;")
+    conn.execute("ATTACH ? AS ref", (str(tmp_path / "ref.db"),))
+    v7_cols = "key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last"
+    for table, cols in (("runs", "*"), ("metric_keys", "*"), ("points", "*"),
+                        ("metric_rollup", "*"), ("rollups", v7_cols)):
+        conn.execute(f"INSERT INTO main.{table} {'' if cols == '*' else f'({cols})'}"
+                     f" SELECT {cols} FROM ref.{table}")
+    conn.execute("DETACH ref")
+    # A base bucket whose raw points were pruned keeps no time; the one above it still has one.
+    key = conn.execute("SELECT id FROM metric_keys WHERE key = 'acc'").fetchone()[0]
+    conn.execute("DELETE FROM points WHERE key_id = ? AND step < 16", (key,))
+    conn.execute("UPDATE metric_rollup SET pruned_step = 15 WHERE key_id = ?", (key,))
+    conn.close()
+
+    db = Database(path)
+    assert db.query_one("PRAGMA user_version")[0] == len(MIGRATIONS)
+    got = {tuple(r[:3]): r[3] for r in db.query(
+        "SELECT key_id, width, bucket, first_ts FROM rollups")}
+    want = {tuple(r[:3]): r[3] for r in Database(tmp_path / "ref.db").query(
+        "SELECT key_id, width, bucket, first_ts FROM rollups")}
+    assert got.keys() == want.keys() and len(got) > 1000
+    assert {w for _, w, _ in got} >= {16, 64, 256, 1024, 4096, 16384}
+    pruned = {b for b in got if b[0] == key and b[2] == 0}        # bucket 0 at every level
+    assert got[(key, 16, 0)] is None
+    assert {got[b] for b in pruned if b[1] > 16} == {t0 + 16_000 + 37}    # from bucket 1
+    assert {b: v for b, v in got.items() if b not in pruned} == \
+        {b: v for b, v in want.items() if b not in pruned}
+    # ... and the series answers every bucket with its time, as on a new database.
+    loss = metrics.key_id(db, run_id, "loss")
+    for max_points in (40, 400):
+        _, pts = series.series(db, loss, max_points)
+        assert [p[6] for p in pts] == [t0 + 1000 * p[0] for p in pts]

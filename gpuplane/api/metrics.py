@@ -3,7 +3,8 @@
 Routes (docs/metrics.md):
   POST /runs/<id>/metrics            {"keys": [...], "points": [[key_index, step, value, ts]]}
   GET  /runs/<id>/metrics            per key: count, latest, best, direction, trend
-  GET  /runs/<id>/metrics/<key>      one key's series, at most max_points buckets
+  GET  /runs/<id>/metrics/<key>      one key's series, at most max_points buckets, and
+                                     each bucket's time (`ts`, ms) for a wall-clock axis
   GET  /metrics/series?runs=1,2&key= the same key across runs, for comparisons
 Non-finite values are answered as the strings "NaN", "Infinity", "-Infinity".
 """
@@ -114,7 +115,7 @@ def series(run_id, key):
     key_id = _key_or_404(run_id, key)
     level, points = planner.series(current_db(), key_id, max_points, from_step, to_step)
     return _json({"key": key, "run_id": run_id, "level": level,
-                  "points": metricwire.encode_points(points)})
+                  "points": metricwire.encode_points(points), "ts": [p[6] for p in points]})
 
 
 @bp.get("/metrics/series")
@@ -140,10 +141,11 @@ def multi_series():
         key_id = metrics.key_id(current_db(), run_id, key)
         if key_id is None:
             missing.append(run_id)
-            out.append({"run_id": run_id, "level": None, "points": [], "missing": True})
+            out.append({"run_id": run_id, "level": None, "points": [], "ts": [], "missing": True})
             continue
         level, points = planner.series(current_db(), key_id, max_points, from_step, to_step)
-        out.append({"run_id": run_id, "level": level, "points": metricwire.encode_points(points)})
+        out.append({"run_id": run_id, "level": level, "points": metricwire.encode_points(points),
+                    "ts": [p[6] for p in points]})
     if len(missing) == len(out):
         _key_or_404(out[0]["run_id"], key)
     return _json({"key": key, "series": out})

@@ -332,9 +332,27 @@ SCHEMA_V7_TOKEN_NODE = """
 ALTER TABLE tokens ADD COLUMN node TEXT;
 """
 
+# A rollup bucket's time (docs/metrics.md): first_ts is the earliest ts of its points, so a
+# downsampled series can be drawn on a wall-clock axis. Buckets written before are
+# backfilled here: the base level from its raw points, each level above from the four
+# below it, finest first (a bucket whose raw points were pruned keeps NULL: no time). The
+# `key_id IN` keeps every UPDATE to index seeks on the keys that have that level.
+SCHEMA_V8_ROLLUP_TS = """
+ALTER TABLE rollups ADD COLUMN first_ts INTEGER;
+UPDATE rollups SET first_ts = (
+    SELECT min(p.ts) FROM points AS p
+    WHERE p.key_id = rollups.key_id AND p.step BETWEEN rollups.first_step AND rollups.last_step)
+WHERE width = 16 AND key_id IN (SELECT key_id FROM metric_rollup);
+""" + "".join(f"""
+UPDATE rollups SET first_ts = (
+    SELECT min(c.first_ts) FROM rollups AS c WHERE c.key_id = rollups.key_id
+    AND c.width = {w // 4} AND c.bucket BETWEEN rollups.bucket * 4 AND rollups.bucket * 4 + 3)
+WHERE width = {w} AND key_id IN (SELECT key_id FROM metric_rollup WHERE top_width >= {w});
+""" for w in (4**j for j in range(3, 32)))
+
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
-              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE]
+              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS]
 
 
 _databases = weakref.WeakSet()

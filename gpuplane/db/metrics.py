@@ -4,8 +4,11 @@ Storage (docs/metrics.md):
 - `points` holds raw points, one per (key, step); a NULL value means NaN (SQLite turns a
   NaN into NULL, and every point has a value, so nothing else can be NULL).
 - `rollups` holds fixed-width step buckets at widths 16, 64, 256, ... (bucket = step // width)
-  with first/last step, min, max, sum, count, vcount (non-NaN count) and last value.
+  with first/last step, min, max, sum, count, vcount (non-NaN count), last value and
+  first_ts (the earliest ts of its points: the bucket's place on a wall-clock axis).
   Min/max/mean ignore NaN; a bucket of only NaN has NULL (NaN) min/max/mean.
+- A row in the rollup shape, as the functions here read and write it: (bucket, first_step,
+  last_step, min, max, sum, count, vcount, last, first_ts).
 - Ingest appends one `metric_dirty` row (key, lo, hi) per key per batch. The rollup
   algorithm (gpuplane/rollup.py) recomputes the buckets those ranges touch and advances
   the key's `rolled_step`; the series planner (gpuplane/series.py) reads rollups up to
@@ -164,18 +167,19 @@ def rollup_state(conn, key_id):
 
 _FROM_LEVEL = """
 INSERT OR REPLACE INTO rollups
-    (key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last)
-SELECT g.key_id, :w * 4, g.b, g.fs, g.ls, g.mn, g.mx, g.sm, g.n, g.nv, c.last
+    (key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last, first_ts)
+SELECT g.key_id, :w * 4, g.b, g.fs, g.ls, g.mn, g.mx, g.sm, g.n, g.nv, c.last, g.ft
 FROM (SELECT key_id, bucket / 4 AS b, min(first_step) AS fs, max(last_step) AS ls,
              min(min) AS mn, max(max) AS mx, sum(sum) AS sm, sum(count) AS n,
-             sum(vcount) AS nv
+             sum(vcount) AS nv, min(first_ts) AS ft
       FROM rollups WHERE key_id = :k AND width = :w AND bucket BETWEEN :lo AND :hi
       GROUP BY bucket / 4) AS g
 JOIN rollups AS c ON c.key_id = g.key_id AND c.width = :w AND c.bucket = g.ls / :w
 """
 
 _INSERT_BUCKETS = ("INSERT OR REPLACE INTO rollups (key_id, width, bucket, first_step, last_step,"
-                   " min, max, sum, count, vcount, last) VALUES (?,?,?,?,?,?,?,?,?,?,?)")
+                   " min, max, sum, count, vcount, last, first_ts)"
+                   " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)")
 
 
 def write_buckets(conn, key_id, width, rows):
@@ -243,13 +247,14 @@ def agg_raw(conn, key_id, w, lo, hi):
     if lo > hi:
         return []
     if w == 1:
-        return [(s, s, s, v, v, v, 1, 0 if v is None else 1, v) for s, v in conn.execute(
-            "SELECT step, value FROM points WHERE key_id = ? AND step BETWEEN ? AND ?"
+        return [(s, s, s, v, v, v, 1, 0 if v is None else 1, v, t) for s, v, t in conn.execute(
+            "SELECT step, value, ts FROM points WHERE key_id = ? AND step BETWEEN ? AND ?"
             " ORDER BY step", (key_id, lo, hi))]
     return conn.execute(
-        "SELECT g.b, g.fs, g.ls, g.mn, g.mx, g.sm, g.n, g.nv, p.value FROM"
+        "SELECT g.b, g.fs, g.ls, g.mn, g.mx, g.sm, g.n, g.nv, p.value, g.ft FROM"
         " (SELECT step / :w AS b, min(step) AS fs, max(step) AS ls, min(value) AS mn,"
-        "  max(value) AS mx, sum(value) AS sm, count(*) AS n, count(value) AS nv"
+        "  max(value) AS mx, sum(value) AS sm, count(*) AS n, count(value) AS nv,"
+        "  min(ts) AS ft"
         "  FROM points WHERE key_id = :k AND step BETWEEN :lo AND :hi GROUP BY step / :w) AS g"
         " JOIN points AS p ON p.key_id = :k AND p.step = g.ls ORDER BY g.b",
         {"w": w, "k": key_id, "lo": lo, "hi": hi}).fetchall()
@@ -259,8 +264,8 @@ def level_rows(conn, key_id, w, b_lo, b_hi):
     if b_lo > b_hi:
         return []
     return conn.execute(
-        "SELECT bucket, first_step, last_step, min, max, sum, count, vcount, last FROM rollups"
-        " WHERE key_id = ? AND width = ? AND bucket BETWEEN ? AND ? ORDER BY bucket",
+        "SELECT bucket, first_step, last_step, min, max, sum, count, vcount, last, first_ts"
+        " FROM rollups WHERE key_id = ? AND width = ? AND bucket BETWEEN ? AND ? ORDER BY bucket",
         (key_id, w, b_lo, b_hi)).fetchall()
 
 
