@@ -82,7 +82,8 @@ def build(home, runs, ckpts, points):
                       " VALUES (?, ?, ?, ?)", (last, job_id, dumps(["true"]), ts))
         print(f"\r  built run {r + 1}/{runs}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    db.conn.execute("ANALYZE")
+    with db.read() as conn:
+        conn.execute("ANALYZE")
     db.close()
     return time.perf_counter() - t0
 
@@ -90,31 +91,31 @@ def build(home, runs, ckpts, points):
 def naive(path):
     """The recommendation the obvious way: three queries per checkpoint, a Python sort."""
     db = Database(path)
-    conn = db.conn
-    cks = conn.execute(
-        "SELECT c.id, c.run_id, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id"
-        " WHERE r.project = 'bench' AND r.experiment = 'big'").fetchall()
-    evals = {}
-    for cid, run_id in conn.execute(
-            "SELECT e.checkpoint_id, j.run_id FROM evaluations e JOIN jobs j ON j.id = e.job_id"
-            " WHERE j.state = 'SUCCEEDED'"):
-        kid = conn.execute("SELECT id FROM metric_keys WHERE run_id = ? AND key = ?",
-                           (run_id, PRIMARY)).fetchone()
-        if kid:
-            evals[cid] = conn.execute("SELECT value FROM points WHERE key_id = ?"
-                                      " ORDER BY step DESC LIMIT 1", (kid[0],)).fetchone()[0]
-    rows = []
-    for cid, run_id, step in cks:
-        kid = conn.execute("SELECT id FROM metric_keys WHERE run_id = ? AND key = ?",
-                           (run_id, PRIMARY)).fetchone()[0]
-        lo = conn.execute("SELECT step FROM points WHERE key_id = ? AND step <= ?"
-                          " ORDER BY step DESC LIMIT 1", (kid, step)).fetchone()
-        hi = conn.execute("SELECT step FROM points WHERE key_id = ? AND step > ?"
-                          " ORDER BY step LIMIT 1", (kid, step)).fetchone()
-        at = min([s[0] for s in (lo, hi) if s], key=lambda s: abs(s - step))
-        v = conn.execute("SELECT value FROM points WHERE key_id = ? AND step = ?",
-                         (kid, at)).fetchone()[0]
-        rows.append((0 if cid in evals else 1, evals.get(cid, v), cid))
+    with db.read() as conn:
+        cks = conn.execute(
+            "SELECT c.id, c.run_id, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id"
+            " WHERE r.project = 'bench' AND r.experiment = 'big'").fetchall()
+        evals = {}
+        for cid, run_id in conn.execute(
+                "SELECT e.checkpoint_id, j.run_id FROM evaluations e JOIN jobs j ON j.id = e.job_id"
+                " WHERE j.state = 'SUCCEEDED'"):
+            kid = conn.execute("SELECT id FROM metric_keys WHERE run_id = ? AND key = ?",
+                               (run_id, PRIMARY)).fetchone()
+            if kid:
+                evals[cid] = conn.execute("SELECT value FROM points WHERE key_id = ?"
+                                          " ORDER BY step DESC LIMIT 1", (kid[0],)).fetchone()[0]
+        rows = []
+        for cid, run_id, step in cks:
+            kid = conn.execute("SELECT id FROM metric_keys WHERE run_id = ? AND key = ?",
+                               (run_id, PRIMARY)).fetchone()[0]
+            lo = conn.execute("SELECT step FROM points WHERE key_id = ? AND step <= ?"
+                              " ORDER BY step DESC LIMIT 1", (kid, step)).fetchone()
+            hi = conn.execute("SELECT step FROM points WHERE key_id = ? AND step > ?"
+                              " ORDER BY step LIMIT 1", (kid, step)).fetchone()
+            at = min([s[0] for s in (lo, hi) if s], key=lambda s: abs(s - step))
+            v = conn.execute("SELECT value FROM points WHERE key_id = ? AND step = ?",
+                             (kid, at)).fetchone()[0]
+            rows.append((0 if cid in evals else 1, evals.get(cid, v), cid))
     rows.sort()
     db.close()
     return rows[0][2]

@@ -101,7 +101,14 @@ def register(app):
 
     @app.errorhandler(Exception)
     def _unexpected(e):
-        from .db import is_write_failure
+        from .db import PoolTimeout, is_write_failure
+        if isinstance(e, PoolTimeout):
+            log.error("a request waited too long for a database connection: %s", e)
+            resp = error_response(503, "Unavailable",
+                                  f"the server is too busy to read its database ({e}); "
+                                  "retry in a few seconds")
+            resp.headers["Retry-After"] = "5"
+            return resp
         if is_write_failure(e):
             log.error("a write to the database failed: %s", e)
             return error_response(

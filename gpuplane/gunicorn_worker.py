@@ -35,8 +35,9 @@ _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: clos
 
 class ElasticPool(futures.Executor):
     """gthread's pool, except that a thread idle for `idle_s` exits: after a burst (a
-    fleet reconnecting, a hundred followers gone) threads, and the SQLite connection each
-    one opened, go back to the baseline instead of staying for the life of the process."""
+    fleet reconnecting, a hundred followers gone) threads go back to the baseline instead
+    of staying for the life of the process. (SQLite connections are not per thread: the
+    Database's fixed pool lends one per read or transaction, gpuplane/db/__init__.py.)"""
 
     def __init__(self, max_workers, idle_s=5.0):
         self._max, self._idle_s = max_workers, idle_s

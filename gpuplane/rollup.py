@@ -72,7 +72,8 @@ def _roll_chunk(db, key_id, lo, hi, widths, skip_to=-1):
         b_lo = max(b_lo, skip_to // BASE + 1)
         if b_lo > b_hi:
             return
-    rows = store.agg_raw(db.conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
+    with db.read() as conn:
+        rows = store.agg_raw(conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
     with db.tx() as conn:
         store.write_buckets(conn, key_id, BASE, rows)
         _roll_levels(conn, key_id, lo, hi, widths[1:], skip_to)
@@ -114,7 +115,8 @@ def roll_up(db, stop=None):
 
 
 def roll_key(db, key_id, ranges):
-    rolled, top, pruned = store.rollup_state(db.conn, key_id)
+    with db.read() as conn:
+        rolled, top, pruned = store.rollup_state(conn, key_id)
     spans = _merge_ranges(ranges)
     max_hi = max(hi for _, hi in spans)
     new_top = max(top, _top_width(max(max_hi, rolled)))

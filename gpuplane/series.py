@@ -23,45 +23,45 @@ def series(db, key_id, max_points=1000, from_step=None, to_step=None):
     gives more than max_points, neighbouring buckets are merged. Rollups are read up to
     the key's rolled step and raw points after it, so a query never lags the ingest.
     """
-    conn = db.conn
-    rolled, top, pruned = store.read_state(conn, key_id)
-    span = store.span(conn, key_id, pruned)
-    if span is None:
-        return 1, []
-    lo = max(span[0], from_step or 0)
-    hi = min(span[1], MAX_STEP if to_step is None else to_step)
-    if lo > hi:
-        return 1, []
-    target = max(1, max_points // 2)
-    tail_from = max(lo, rolled + 1)
-    tail_count = None
-    chosen = None
-    for w in reversed([w for w in LEVELS if w <= top]):
-        complete = (rolled + 1) // w          # buckets below this are whole in the rollup
-        n = store.count_level(conn, key_id, w, lo // w, min(hi // w, complete - 1))
-        if tail_from <= hi:
-            if tail_count is None:
-                tail_count = store.count_raw(conn, key_id, tail_from, hi)
-            n += min(tail_count + 1, hi // w - max(lo, complete * w) // w + 1)
-        if n >= target:
-            chosen = w
-            break
-    if chosen is None:
-        if top and pruned >= lo:
-            chosen = BASE              # raw is gone there: the finest stored level
+    with db.read() as conn:
+        rolled, top, pruned = store.read_state(conn, key_id)
+        span = store.span(conn, key_id, pruned)
+        if span is None:
+            return 1, []
+        lo = max(span[0], from_step or 0)
+        hi = min(span[1], MAX_STEP if to_step is None else to_step)
+        if lo > hi:
+            return 1, []
+        target = max(1, max_points // 2)
+        tail_from = max(lo, rolled + 1)
+        tail_count = None
+        chosen = None
+        for w in reversed([w for w in LEVELS if w <= top]):
+            complete = (rolled + 1) // w          # buckets below this are whole in the rollup
+            n = store.count_level(conn, key_id, w, lo // w, min(hi // w, complete - 1))
+            if tail_from <= hi:
+                if tail_count is None:
+                    tail_count = store.count_raw(conn, key_id, tail_from, hi)
+                n += min(tail_count + 1, hi // w - max(lo, complete * w) // w + 1)
+            if n >= target:
+                chosen = w
+                break
+        if chosen is None:
+            if top and pruned >= lo:
+                chosen = BASE              # raw is gone there: the finest stored level
+            else:
+                # Raw covers the range: widths below the base level, or no rollups yet, are
+                # grouped from raw on the fly (with rollups present, at most 8 * max_points).
+                n = store.count_raw(conn, key_id, lo, hi)
+                chosen = 1 if n <= 2 * max_points else next(
+                    (w for w in [4, *LEVELS] if (hi // w - lo // w + 1) <= 2 * max_points),
+                    LEVELS[-1])
+        w = chosen
+        if w >= BASE and top:
+            rows = _rows_at(conn, key_id, w, lo, hi, rolled, top)
         else:
-            # Raw covers the range: widths below the base level, or no rollups yet, are
-            # grouped from raw on the fly (with rollups present, at most 8 * max_points).
-            n = store.count_raw(conn, key_id, lo, hi)
-            chosen = 1 if n <= 2 * max_points else next(
-                (w for w in [4, *LEVELS] if (hi // w - lo // w + 1) <= 2 * max_points),
-                LEVELS[-1])
-    w = chosen
-    if w >= BASE and top:
-        rows = _rows_at(conn, key_id, w, lo, hi, rolled, top)
-    else:
-        rows = store.agg_raw(conn, key_id, w, lo, hi)
-    return _merge(rows, w, max_points)
+            rows = store.agg_raw(conn, key_id, w, lo, hi)
+        return _merge(rows, w, max_points)
 
 
 def _rows_at(conn, key_id, w, lo, hi, rolled, top):
@@ -143,57 +143,57 @@ def _cover(conn, key_id, rolled, top):
 
 def summary(db, run_id):
     """Per key: count, latest, best (by direction), trend, first and last step."""
-    conn = db.conn
-    out = []
-    for key_id, key in store.keys_of_run(conn, run_id):
-        out.append(key_summary(db, key_id, key))
-    # The agent's TensorBoard tail names a curve tb/<tag>; when the SDK logs the same
-    # curve as <tag>, both arrive. The SDK's is kept (the script's own values, at its
-    # own steps); the TensorBoard copy says so and readers show it once.
-    names = {k["key"] for k in out}
-    for k in out:
-        if k["key"].startswith("tb/") and k["key"][3:] in names:
-            k["duplicate_of"] = k["key"][3:]
-    return out
+    with db.read() as conn:
+        out = []
+        for key_id, key in store.keys_of_run(conn, run_id):
+            out.append(key_summary(db, key_id, key))
+        # The agent's TensorBoard tail names a curve tb/<tag>; when the SDK logs the same
+        # curve as <tag>, both arrive. The SDK's is kept (the script's own values, at its
+        # own steps); the TensorBoard copy says so and readers show it once.
+        names = {k["key"] for k in out}
+        for k in out:
+            if k["key"].startswith("tb/") and k["key"][3:] in names:
+                k["duplicate_of"] = k["key"][3:]
+        return out
 
 
 def key_summary(db, key_id, key, d=None):
     """One key's summary; `d` ('min' | 'max') overrides the direction read from its name."""
-    conn = db.conn
-    rolled, top, pruned = store.read_state(conn, key_id)
-    # Counters and schedules are not judged, unless a metric definition gave `d`.
-    judged = d is not None or not semantic.is_step_like(key)
-    d = d or semantic.direction(key)
-    count, first, last_step = 0, None, None
-    best = None          # (value, width, row)
-    for w, row in _cover(conn, key_id, rolled, top):
-        b, fs, ls, mn, mx, sm, n, nv, lv, _ = row
-        count += n
-        first = fs if first is None else min(first, fs)
-        last_step = ls if last_step is None else max(last_step, ls)
-        v = mn if d == "min" else mx
-        if v is not None and (best is None or (v < best[0] if d == "min" else v > best[0])):
-            best = (v, w, row)
-    latest = store.latest_point(conn, key_id)
-    if latest is not None and last_step is not None and latest[0] < last_step:
-        latest = None
-    if latest is None and last_step is not None:
-        # The newest raw point was pruned: the last base bucket still knows it.
-        r = store.last_base_bucket(conn, key_id)
-        latest = (r[0], r[1], None) if r else None
-    return {
-        "key": key,
-        "count": count,
-        "latest": None if latest is None else
-        {"step": latest[0], "value": encode(latest[1]), "ts": latest[2]},
-        "best": None if best is None or not judged else
-        {"step": _best_step(conn, key_id, d, best), "value": encode(best[0])},
-        "direction": d if judged else None,
-        "trend": semantic.trend(series(db, key_id, max_points=200)[1], d) if judged else None,
-        "judged": judged,
-        "first_step": first,
-        "last_step": last_step,
-    }
+    with db.read() as conn:
+        rolled, top, pruned = store.read_state(conn, key_id)
+        # Counters and schedules are not judged, unless a metric definition gave `d`.
+        judged = d is not None or not semantic.is_step_like(key)
+        d = d or semantic.direction(key)
+        count, first, last_step = 0, None, None
+        best = None          # (value, width, row)
+        for w, row in _cover(conn, key_id, rolled, top):
+            b, fs, ls, mn, mx, sm, n, nv, lv, _ = row
+            count += n
+            first = fs if first is None else min(first, fs)
+            last_step = ls if last_step is None else max(last_step, ls)
+            v = mn if d == "min" else mx
+            if v is not None and (best is None or (v < best[0] if d == "min" else v > best[0])):
+                best = (v, w, row)
+        latest = store.latest_point(conn, key_id)
+        if latest is not None and last_step is not None and latest[0] < last_step:
+            latest = None
+        if latest is None and last_step is not None:
+            # The newest raw point was pruned: the last base bucket still knows it.
+            r = store.last_base_bucket(conn, key_id)
+            latest = (r[0], r[1], None) if r else None
+        return {
+            "key": key,
+            "count": count,
+            "latest": None if latest is None else
+            {"step": latest[0], "value": encode(latest[1]), "ts": latest[2]},
+            "best": None if best is None or not judged else
+            {"step": _best_step(conn, key_id, d, best), "value": encode(best[0])},
+            "direction": d if judged else None,
+            "trend": semantic.trend(series(db, key_id, max_points=200)[1], d) if judged else None,
+            "judged": judged,
+            "first_step": first,
+            "last_step": last_step,
+        }
 
 
 def _best_step(conn, key_id, d, best):
@@ -241,32 +241,32 @@ def _fold_to(rows, w):
 def aligned_series(db, key_ids, max_points=500):
     """key_ids: {name: key_id or None}. Returns (width, steps, {name: [(min, max, mean,
     last, count) or None per step]})."""
-    conn = db.conn
-    states, spans = {}, {}
-    for name, kid in key_ids.items():
-        if kid is None:
-            continue
-        states[name] = store.rollup_state(conn, kid)
-        span = store.span(conn, kid, states[name][2])
-        if span is not None:
-            spans[name] = span
-    if not spans:
-        return 1, [], {name: [] for name in key_ids}
-    lo = min(s[0] for s in spans.values())
-    hi = max(s[1] for s in spans.values())
-    w = next((w for w in WIDTHS if hi // w - lo // w + 1 <= max_points), WIDTHS[-1])
-    per = {}
-    for name, kid in key_ids.items():
-        if name not in spans:
-            per[name] = {}
-            continue
-        rolled, top, _ = states[name]
-        if w >= BASE and top >= BASE:
-            base = min(w, top)
-            rows = _fold_to(_rows_at(conn, kid, base, lo, hi, rolled, top), w)
-        else:
-            rows = store.agg_raw(conn, kid, w, lo, hi)
-        per[name] = {r[1] // w: (r[3], r[4], _mean(r[5], r[7]), r[8], r[6]) for r in rows}
-    buckets = sorted({b for d in per.values() for b in d})
-    steps = [b * w for b in buckets]
-    return w, steps, {name: [per[name].get(b) for b in buckets] for name in key_ids}
+    with db.read() as conn:
+        states, spans = {}, {}
+        for name, kid in key_ids.items():
+            if kid is None:
+                continue
+            states[name] = store.rollup_state(conn, kid)
+            span = store.span(conn, kid, states[name][2])
+            if span is not None:
+                spans[name] = span
+        if not spans:
+            return 1, [], {name: [] for name in key_ids}
+        lo = min(s[0] for s in spans.values())
+        hi = max(s[1] for s in spans.values())
+        w = next((w for w in WIDTHS if hi // w - lo // w + 1 <= max_points), WIDTHS[-1])
+        per = {}
+        for name, kid in key_ids.items():
+            if name not in spans:
+                per[name] = {}
+                continue
+            rolled, top, _ = states[name]
+            if w >= BASE and top >= BASE:
+                base = min(w, top)
+                rows = _fold_to(_rows_at(conn, kid, base, lo, hi, rolled, top), w)
+            else:
+                rows = store.agg_raw(conn, kid, w, lo, hi)
+            per[name] = {r[1] // w: (r[3], r[4], _mean(r[5], r[7]), r[8], r[6]) for r in rows}
+        buckets = sorted({b for d in per.values() for b in d})
+        steps = [b * w for b in buckets]
+        return w, steps, {name: [per[name].get(b) for b in buckets] for name in key_ids}

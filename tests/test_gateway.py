@@ -57,7 +57,8 @@ def test_a_batch_is_applied_once_and_acked(gw):
     assert gw.apply_batch("n1", batch(*recs)) == {"type": "ack", "seq": 4}
     assert gw.hub.version > version
     assert jobs.get(gw.db, j["id"])["state"] == "RUNNING"
-    assert nodes.cursor(gw.db.conn, "n1") == ("E", 4)
+    with gw.db.read() as conn:
+        assert nodes.cursor(conn, "n1") == ("E", 4)
     # The same batch again (a replay after a lost ack) changes nothing.
     assert gw.apply_batch("n1", batch(*recs)) == {"type": "ack", "seq": 4}
     assert [line["text"] for line in logs.tail(gw.db, j["id"], 10)] == ["hello"]

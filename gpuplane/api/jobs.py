@@ -140,7 +140,8 @@ def _dependencies(data, job_id=None, required=False):
                          "e.g. [12, 13]")
     ids = sorted(set(ids))
     try:
-        lifecycle.check_dependencies(current_db().conn, ids, job_id)
+        with current_db().read() as conn:
+            lifecycle.check_dependencies(conn, ids, job_id)
     except ValueError as e:
         raise BadRequest(str(e)) from None
     return ids, after_any is not None

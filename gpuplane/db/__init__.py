@@ -1,8 +1,11 @@
 """The only place that speaks SQL.
 
-`Database` owns the file: schema and forward migrations (PRAGMA user_version), one
-connection per thread for reads, and `tx()` for writes — an IMMEDIATE transaction under a
-process-wide lock, so there is one writer at a time and readers never block (WAL).
+`Database` owns the file: schema and forward migrations (PRAGMA user_version), a fixed
+pool of reader connections lent for one `query()` or a `with db.read() as conn:` block,
+and `tx()` for writes — an IMMEDIATE transaction on the one writer connection under a
+process-wide lock, so there is one writer at a time and readers never block (WAL). No
+thread keeps a connection between blocks, so the file descriptors stay the same however
+many threads the server runs (READERS says why that needs a fixed pool).
 The query functions live beside this module, one module per noun (jobs, runs, nodes,
 logs, metrics, tokens, events, checkpoints).
 
@@ -12,10 +15,13 @@ The transaction convention (followed by every module here):
   decides what else commits together with it (gpuplane/lifecycle.py writes a state and
   its event that way; the gateway writes a whole agent batch and its cursor).
 - A function whose first argument is `db` (the `Database`) and that writes opens its own
-  transaction (`with db.tx()`); one that only reads uses this thread's connection, so
-  inside a transaction it sees that transaction's writes.
-- `tx()` does not nest: calling it while this thread's connection is already in a
-  transaction raises, instead of silently joining the outer one. Pass `conn` down.
+  transaction (`with db.tx()`); one that only reads uses `db.query()` or `db.read()`,
+  which inside a transaction (or a read block) use the connection this thread holds, so
+  it sees that transaction's writes.
+- `tx()` does not nest: calling it while this thread is already in a transaction
+  raises, instead of silently joining the outer one. Pass `conn` down.
+- Fetch inside the block: a cursor must not outlive `read()` (its connection goes back to
+  the pool; rows already fetched are plain values and stay valid).
 Nothing outside gpuplane/db/ writes SQL text (tests/test_layers.py checks).
 """
 import contextlib
@@ -357,27 +363,49 @@ MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V
 
 _databases = weakref.WeakSet()
 
+# Reader connections per Database, opened with it. SQLite (unix VFS) cannot close the
+# database file's descriptor of a closed connection while another connection of the
+# process holds a lock on that file, which in WAL mode every open connection does: it
+# keeps the descriptor for the next open to reuse. So descriptors track the most
+# connections ever open at once, and a connection per thread made them track the largest
+# burst of threads. A fixed pool makes them a constant, whatever the load.
+READERS = 8
+CHECKOUT_WAIT_S = 30          # as long as a writer waits for the file lock (busy_timeout)
+
 
 def close_thread_connections():
-    """A thread that is about to exit (an idle HTTP pool thread) closes its connections:
-    a dead thread's thread-local connection is otherwise freed only by a later GC, and
-    holds two file descriptors until then."""
+    """A thread that is about to exit (an idle HTTP pool thread) gives back any connection
+    it still holds. Connections belong to the pool, not to threads, and a thread holds one
+    only inside `db.read()` / `db.tx()`, so normally there is none."""
     for db in list(_databases):
-        db.close()
+        db.release_thread()
 
 
 class NestedTransaction(RuntimeError):
     """db.tx() was called inside a transaction of the same thread."""
 
 
+class PoolTimeout(sqlite3.OperationalError):
+    """Every reader connection stayed checked out for CHECKOUT_WAIT_S."""
+
+
 class Database:
-    def __init__(self, path):
+    """The database file and its connections: one writer, used only under the write lock,
+    and a fixed pool of `readers`. A thread holds a connection only for a `read()` block,
+    a `tx()`, or one `query()`; inside either block, `conn`, `query()` and a nested
+    `read()` use the connection it holds, so reads inside a transaction see its writes."""
+
+    def __init__(self, path, readers=READERS):
         self.path = str(path)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._local = threading.local()
+        self._local = threading.local()      # .conn: the connection this thread holds
         self._write_lock = threading.Lock()
         self.write_error = None      # why the last write failed (disk full, read-only)
         self.migrate()
+        self._pool = threading.Condition()
+        self._closed = False
+        self._writer = self._connect()
+        self._idle = [self._connect() for _ in range(readers)]
         _databases.add(self)
 
     def _connect(self):
@@ -396,10 +424,11 @@ class Database:
 
     @property
     def conn(self):
-        """This thread's connection (created on first use)."""
+        """The connection this thread holds inside `read()` or `tx()`."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self._connect()
+            raise RuntimeError("db.conn outside a `with db.read()` or `with db.tx()` block; "
+                               "open one, or use db.query() / db.query_one()")
         return conn
 
     def migrate(self):
@@ -417,6 +446,57 @@ class Database:
         finally:
             conn.close()
 
+    # -- the reader pool -------------------------------------------------------------------
+
+    def _checkout(self):
+        with self._pool:
+            if not self._pool.wait_for(lambda: self._idle or self._closed, CHECKOUT_WAIT_S):
+                raise PoolTimeout(f"no database connection came free in {CHECKOUT_WAIT_S} s")
+            if self._closed:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            return self._idle.pop()
+
+    def _checkin(self, conn, failed=False):
+        if failed or conn.in_transaction:
+            # A read that raised may have left a statement (and with it an old snapshot)
+            # open on the connection: the next borrower gets a fresh one instead. The
+            # closed one's descriptor is reused by the open (see READERS).
+            conn.close()
+            conn = None if self._closed else self._connect()
+        with self._pool:
+            if self._closed:
+                if conn is not None:
+                    conn.close()
+                return
+            self._idle.append(conn)
+            self._pool.notify()
+
+    @contextlib.contextmanager
+    def read(self):
+        """A connection for several reads: the one this thread holds (its transaction's),
+        or one from the pool until the block ends. Fetch what you need inside the block."""
+        held = getattr(self._local, "conn", None)
+        if held is not None:
+            yield held
+            return
+        conn = self._checkout()
+        self._local.conn = conn
+        failed = True
+        try:
+            yield conn
+            failed = False
+        finally:
+            self._local.conn = None
+            self._checkin(conn, failed)
+
+    def release_thread(self):
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None and conn is not self._writer:
+            self._checkin(conn, failed=True)
+
+    # -- writes ----------------------------------------------------------------------------
+
     @contextlib.contextmanager
     def tx(self, durable=False):
         """One write transaction (BEGIN IMMEDIATE); commits on success, rolls back on error.
@@ -424,17 +504,21 @@ class Database:
         durable: the commit is fsynced before this returns (synchronous=FULL), for the
         transactions after which an agent forgets what it sent (the outbox ack); the rest
         use NORMAL, which may lose the last commits on power loss but never corrupts."""
-        conn = self.conn
-        if conn.in_transaction:
+        held = getattr(self._local, "conn", None)
+        if held is not None and (held is self._writer or held.in_transaction):
             # Joining quietly would make the inner caller believe its writes are
             # committed when the outer transaction may still roll them back.
             raise NestedTransaction(
                 "db.tx() inside a transaction; call the function that takes `conn` "
                 "with the outer transaction's connection instead")
         with self._write_lock:
-            if durable:
-                conn.execute("PRAGMA synchronous=FULL")
+            conn = self._writer
+            if conn is None:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            self._local.conn = conn
             try:
+                if durable:
+                    conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("BEGIN IMMEDIATE")
                 yield conn
                 conn.execute("COMMIT")
@@ -450,6 +534,7 @@ class Database:
             else:
                 self.write_error = None
             finally:
+                self._local.conn = held
                 if durable:
                     conn.execute("PRAGMA synchronous=NORMAL")
 
@@ -464,16 +549,41 @@ class Database:
         return self.write_error
 
     def query(self, sql, params=()):
-        return self.conn.execute(sql, params).fetchall()
+        held = getattr(self._local, "conn", None)
+        if held is not None:
+            return held.execute(sql, params).fetchall()
+        conn = self._checkout()
+        failed = True
+        try:
+            rows = conn.execute(sql, params).fetchall()
+            failed = False
+            return rows
+        finally:
+            self._checkin(conn, failed)
 
     def query_one(self, sql, params=()):
-        return self.conn.execute(sql, params).fetchone()
+        held = getattr(self._local, "conn", None)
+        if held is not None:
+            return held.execute(sql, params).fetchone()
+        conn = self._checkout()
+        failed = True
+        try:
+            row = conn.execute(sql, params).fetchone()
+            failed = False
+            return row
+        finally:
+            self._checkin(conn, failed)
 
     def close(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        """Close every connection; one still checked out is closed when it comes back."""
+        with self._write_lock, self._pool:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            writer, self._writer = self._writer, None
+            self._pool.notify_all()
+        for conn in idle + [writer]:
+            if conn is not None:
+                conn.close()
 
 
 @contextlib.contextmanager

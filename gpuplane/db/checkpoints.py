@@ -269,10 +269,11 @@ def candidates(db, key, run_id=None, project=None, experiment=None):
         evals[ckpt_id] = (eval_id, value)      # ordered by id: the last one wins
     rwhere, rparams = _scope_sql(run_id, project, experiment, alias="r")
     out, todo = [], []
-    cur = db.conn.cursor()
-    cur.row_factory = None          # plain tuples: thousands of rows, read once
-    for cid, rid, step, key_id, exact, value, lo, hi in cur.execute(
-            _CANDIDATES.format(where=rwhere), (key, *rparams)):
+    with db.read() as conn:
+        cur = conn.cursor()
+        cur.row_factory = None          # plain tuples: thousands of rows, read once
+        rows = cur.execute(_CANDIDATES.format(where=rwhere), (key, *rparams)).fetchall()
+    for cid, rid, step, key_id, exact, value, lo, hi in rows:
         at = exact
         if at is None and step is not None and (lo is not None or hi is not None):
             at = hi if lo is None else lo if hi is None or step - lo <= hi - step else hi

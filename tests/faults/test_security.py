@@ -234,14 +234,15 @@ def test_an_unread_large_body_does_not_break_the_next_request(shared, method, pa
 
 def test_a_database_that_cannot_be_written_is_a_503_and_health_says_so(tmp_path):
     # Before: 500 InternalError, and /health said ok. Here SQLite's own read-only switch
-    # on the request thread's connection stands in for a full disk or a read-only file.
+    # on the connection every write goes through stands in for a full disk or a read-only
+    # file.
     from gpuplane.app import create_app
     app = create_app(tmp_path / "home", start_threads=False)
     token = tomllib.loads((tmp_path / "home" / "server.toml").read_text())["admin_token"]
     client = app.test_client()
     auth = {"Authorization": f"Bearer {token}"}
     db = app.config["DB"]
-    db.conn.execute("PRAGMA query_only = ON")
+    db._writer.execute("PRAGMA query_only = ON")
     r = client.post("/api/v1/jobs", json={"command": ["true"], "working_dir": "/tmp"},
                     headers=auth)
     assert r.status_code == 503
@@ -249,7 +250,7 @@ def test_a_database_that_cannot_be_written_is_a_503_and_health_says_so(tmp_path)
     h = client.get("/api/v1/health")
     assert h.status_code == 503 and h.json["ok"] is False
     assert h.json["writes"].startswith("failing")
-    db.conn.execute("PRAGMA query_only = OFF")
+    db._writer.execute("PRAGMA query_only = OFF")
     h = client.get("/api/v1/health")
     assert h.status_code == 200 and h.json["writes"] == "ok"
 
@@ -477,6 +478,46 @@ def test_cli_makes_agent_tokens_bound_to_a_node(shared):
     assert made["scope"] == "agent" and made["node"] == "gpu-box"
     out = cli("token", "create", "--name", "box", "--scope", "agent")
     assert out.returncode == 2 and "--agent NODE" in out.stderr
+
+
+def test_database_descriptors_return_to_baseline_after_a_burst(server_factory):
+    # Before: a SQLite connection per pool thread, and SQLite keeps a closed connection's
+    # .db descriptor open while any other connection of the process is open: after a
+    # burst the worker held one per thread it had ever run (~110 after bench/fleet.py).
+    # Now a fixed pool: the count does not move.
+    import threading
+    from .helpers import fd_kinds, worker_pid
+    server = server_factory({"threads": 32})
+    pid = worker_pid(server)
+    server.api.get("/api/v1/status", expect=200)
+    base = fd_kinds(pid)["db"]
+    n = 24
+    start, errors, peak = threading.Barrier(n), [], [base]
+
+    def client():
+        try:
+            start.wait(30)
+            for _ in range(8):
+                # A connection of its own per request: as many pool threads as the
+                # server will start.
+                r = requests.get(server.url + "/api/v1/status", timeout=30,
+                                 headers={"Authorization": f"Bearer {server.token}",
+                                          "Connection": "close"})
+                if r.status_code != 200:
+                    errors.append(r.status_code)
+                peak.append(fd_kinds(pid)["db"])
+        except Exception as e:      # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+    threads = [threading.Thread(target=client) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:5]
+    wait_for(lambda: fd_kinds(pid)["db"] <= base, 20,
+             what=f"the worker's database descriptors back to {base} (peak {max(peak)})")
+    report("db-fds-burst", clients=n, db_fds_base=base, db_fds_peak=max(peak),
+           db_fds_after=fd_kinds(pid)["db"])
 
 
 def test_fleet_bounded(server_factory, monkeypatch):
