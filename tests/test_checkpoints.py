@@ -106,6 +106,10 @@ def test_step_defaults_to_the_runs_latest_step_and_metrics_are_the_nearest(api):
     c2 = ckpt(api, run, "/w/b.pt", step=24)
     m = api.get(f"/checkpoints/{c2['id']}")["metrics"]
     assert m == {"train/loss": {"step": 20, "value": 0.5}, "val/acc": {"step": 18, "value": 0.7}}
+    # The run's list has them too with ?detail=1 (the run page's one request), not without.
+    listed = api.get(f"/runs/{run}/checkpoints?detail=1")["checkpoints"]
+    assert {x["id"]: (x["metrics"], x["evaluations"]) for x in listed}[c2["id"]] == (m, [])
+    assert "metrics" not in api.get(f"/runs/{run}/checkpoints")["checkpoints"][0]
 
 
 def test_relative_paths_need_a_job_or_an_absolute_fallback(api):

@@ -90,7 +90,10 @@ def register(run_id):
 @requires("read")
 def list_for_run(run_id):
     _run_or_404(run_id)
-    return {"checkpoints": [_shape(c) for c in checkpoints.list_checkpoints(
+    # ?detail=1: each with its metrics and evaluations, as GET /checkpoints/ID has them
+    # (the run page shows them all in one request)
+    full = query_int("detail", 0, min=0, max=1) == 1
+    return {"checkpoints": [_shape(c, full) for c in checkpoints.list_checkpoints(
         current_db(), run_id=run_id, limit=query_int("limit", 1000, min=1, max=100_000))]}
 
 

@@ -1,6 +1,6 @@
 // A metric chart on uPlot: the server's downsampled series (min/max band + mean per
 // bucket), drag to zoom (refetches that step range at full resolution), double-click to
-// zoom out, smoothing, log scale, events as markers.
+// zoom out, smoothing, log scale, step or wall-time axis, events as markers.
 
 import { api } from "./api.js";
 import { h } from "./dom.js";
@@ -12,6 +12,28 @@ export const PALETTE = ["#3b82f6", "#e8590c", "#2f9e44", "#ae3ec9", "#0c8599", "
 function num(v) {
   if (v === null || v === undefined || typeof v === "string") return null;   // "NaN", "Infinity" → gap
   return v;
+}
+
+// The x axis of training charts: "step" or "time" (wall clock, each bucket at the time of
+// its earliest point). Remembered per tab (sessionStorage), shared by every chart in it.
+const XAXIS_KEY = "gpuplane.xaxis";
+export function xAxisPref() {
+  try { return sessionStorage.getItem(XAXIS_KEY) === "time" ? "time" : "step"; } catch { return "step"; }
+}
+export function setXAxisPref(v) {
+  try { sessionStorage.setItem(XAXIS_KEY, v === "time" ? "time" : "step"); } catch { /* private mode: this page only */ }
+}
+
+// [x, y] pairs ordered by x, for the wall-clock axis: a bucket's time is its earliest
+// point's, which need not grow with the step (steps logged again later, by a resumed
+// run); uPlot wants ascending x. Buckets without a time (pruned before v8) are left out.
+export function byTime(ts, cols) {
+  const idx = [];
+  for (let i = 0; i < ts.length; i++) if (ts[i] !== null && ts[i] !== undefined) idx.push(i);
+  let sorted = true;
+  for (let j = 1; j < idx.length; j++) if (ts[idx[j]] < ts[idx[j - 1]]) { sorted = false; break; }
+  if (!sorted) idx.sort((a, b) => ts[a] - ts[b] || a - b);
+  return [idx.map((i) => ts[i] / 1000), ...cols.map((c) => idx.map((i) => c[i]))];
 }
 
 // Buckets per chart: about one per two pixels, enough that the band shows every spike.
@@ -42,8 +64,9 @@ function cssVar(name, fallback) {
 }
 
 export class MetricChart {
-  // source: async ({from, to, maxPoints}) => {level, points}
+  // source: async ({from, to, maxPoints}) => {level, points, ts}
   // time: the x values are Unix seconds (the agent's system metrics), drawn as clock time.
+  // Otherwise options.xaxis chooses: the step, or each bucket's ts (wall clock).
   constructor({ title, source, color = PALETTE[0], options, markers = [], xLabel = "step", time = false }) {
     this.time = time;
     this.title = title;
@@ -52,7 +75,8 @@ export class MetricChart {
     this.options = options;       // shared {smoothing, log}
     this.markers = markers;       // [{step, label, severity}]
     this.xLabel = xLabel;
-    this.zoom = null;             // [from, to] when zoomed in
+    this.zoom = null;             // [from_step, to_step] asked of the server when zoomed in
+    this.view = null;             // [min, max] of the x scale when zoomed in (steps or seconds)
     this.raw = null;              // {level, points}
     this.u = null;
     this.status = h("span", { class: "muted small chart-status" });
@@ -67,6 +91,11 @@ export class MetricChart {
 
   width() {
     return Math.max(240, this.plotEl.clientWidth || this.el.clientWidth - 24 || 600);
+  }
+
+  // Training charts on the wall-clock axis (options.xaxis === "time").
+  get wall() {
+    return !this.time && this.options.xaxis === "time";
   }
 
   async load() {
@@ -90,10 +119,11 @@ export class MetricChart {
     const pts = (this.raw && this.raw.points) || [];
     const log = this.options.log;
     const pos = (v) => (log && v !== null && v <= 0 ? null : v);
-    const xs = pts.map((p) => p[0]);
-    const mins = pts.map((p) => pos(num(p[1])));
-    const maxs = pts.map((p) => pos(num(p[2])));
-    const means = pts.map((p) => pos(num(p[3])));
+    let xs = pts.map((p) => p[0]);
+    let mins = pts.map((p) => pos(num(p[1])));
+    let maxs = pts.map((p) => pos(num(p[2])));
+    let means = pts.map((p) => pos(num(p[3])));
+    if (this.wall) [xs, mins, maxs, means] = byTime((this.raw && this.raw.ts) || [], [mins, maxs, means]);
     return [xs, mins, maxs, means, smooth(means, this.options.smoothing)];
   }
 
@@ -104,10 +134,12 @@ export class MetricChart {
     this.status.textContent = n ? (level > 1 ? `${n} buckets of ${level} steps` : `${n} points`) : "no points yet";
     this.zoomBtn.hidden = !this.zoom;
     const smoothing = this.options.smoothing > 0;
-    const optsKey = `${this.options.log}|${smoothing}`;
+    const wall = this.wall;
+    const clock = this.time || wall;
+    const optsKey = `${this.options.log}|${smoothing}|${wall}`;
     if (this.u && this.optsKey === optsKey) {
-      this.u.setData(data, !this.zoom);
-      if (this.zoom) this.u.setScale("x", { min: this.zoom[0], max: this.zoom[1] });
+      this.u.setData(data, !this.view);
+      if (this.view) this.u.setScale("x", { min: this.view[0], max: this.view[1] });
       return;
     }
     if (this.u) this.u.destroy();
@@ -117,11 +149,11 @@ export class MetricChart {
     const band = `${this.color}33`;
     const opts = {
       width: this.width(), height: 200,
-      scales: { x: { time: this.time, range: (u, lo, hi) => (lo === hi || lo === null ? [(lo ?? 0) - (this.time ? 30 : 1), (hi ?? 0) + (this.time ? 30 : 1)] : [lo, hi]) }, y: this.options.log ? { distr: 3 } : {} },
+      scales: { x: { time: clock, range: (u, lo, hi) => (lo === hi || lo === null ? [(lo ?? 0) - (clock ? 30 : 1), (hi ?? 0) + (clock ? 30 : 1)] : [lo, hi]) }, y: this.options.log ? { distr: 3 } : {} },
       legend: { show: true, live: true },
       cursor: { drag: { x: true, y: false, setScale: false }, points: { size: 5 } },
       series: [
-        { label: this.time ? "time" : this.xLabel },
+        { label: clock ? "time" : this.xLabel },
         { label: "min", stroke: "transparent", points: { show: false } },
         { label: "max", stroke: "transparent", points: { show: false } },
         { label: smoothing ? "mean (raw)" : "mean", stroke: smoothing ? `${this.color}66` : this.color, width: smoothing ? 1 : 1.5, points: { show: false } },
@@ -135,16 +167,18 @@ export class MetricChart {
       hooks: {
         setSelect: [(u) => {
           if (u.select.width < 4) return;
-          const a = Math.floor(u.posToVal(u.select.left, "x"));
-          const b = Math.ceil(u.posToVal(u.select.left + u.select.width, "x"));
+          const a = u.posToVal(u.select.left, "x");
+          const b = u.posToVal(u.select.left + u.select.width, "x");
           u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
-          if (b > a) this.zoomTo(Math.max(0, a), b);
+          if (this.wall) this.zoomToTime(a, b);
+          else if (Math.ceil(b) > Math.floor(a)) this.zoomTo(Math.max(0, Math.floor(a)), Math.ceil(b));
         }],
         draw: [(u) => this.drawMarkers(u)],
       },
     };
     this.plotEl.replaceChildren();
     this.u = new uPlot(opts, data, this.plotEl);
+    if (this.view) this.u.setScale("x", { min: this.view[0], max: this.view[1] });
     if (data[0].length && window.gpuplane && !window.gpuplane.firstChartAt) {
       window.gpuplane.firstChartAt = performance.now();     // for bench/dashboard.py
     }
@@ -159,9 +193,11 @@ export class MetricChart {
     ctx.save();
     ctx.lineWidth = 1;
     ctx.setLineDash([4, 3]);
+    const wall = this.wall;
     for (const m of this.markers) {
-      if (m.step === null || m.step === undefined || m.step < lo || m.step > hi) continue;
-      const x = Math.round(u.valToPos(m.step, "x", true)) + 0.5;
+      const at = wall ? (m.ts ? m.ts / 1000 : null) : m.step;
+      if (at === null || at === undefined || at < lo || at > hi) continue;
+      const x = Math.round(u.valToPos(at, "x", true)) + 0.5;
       ctx.strokeStyle = m.severity === "critical" ? "#e03131" : m.severity === "warning" ? "#f08c00" : "#868e96";
       ctx.beginPath();
       ctx.moveTo(x, u.bbox.top);
@@ -173,13 +209,53 @@ export class MetricChart {
 
   async zoomTo(from, to) {
     this.zoom = [from, to];
+    this.view = this.wall ? null : [from, to];
+    await this.load();
+  }
+
+  // Wall-clock zoom: the server is asked by step, so the times [a, b] (seconds) become the
+  // steps of the buckets drawn there, widened by one bucket each side (a bucket's time is
+  // its first point's, so the one before `a` may hold points after it); the x scale then
+  // shows exactly [a, b] of what comes back.
+  async zoomToTime(a, b) {
+    const pts = (this.raw && this.raw.points) || [];
+    const ts = (this.raw && this.raw.ts) || [];
+    let first = -1, last = -1;
+    for (let i = 0; i < pts.length; i++) {
+      const t = ts[i] === null || ts[i] === undefined ? null : ts[i] / 1000;
+      if (t === null || t < a || t > b) continue;
+      if (first < 0) first = i;
+      last = i;
+    }
+    if (!pts.length) return;
+    if (first < 0) {             // no bucket starts inside: the one holding [a, b]
+      const after = pts.findIndex((p, i) => ts[i] !== null && ts[i] !== undefined && ts[i] / 1000 > b);
+      first = last = Math.max(0, (after < 0 ? pts.length : after) - 1);
+    }
+    const from = pts[Math.max(0, first - 1)][0];
+    const to = last + 1 < pts.length ? pts[last + 1][0] : null;
+    this.zoom = [from, to];
+    this.view = [a, b];
     await this.load();
   }
 
   async resetZoom() {
     if (!this.zoom) return;
     this.zoom = null;
+    this.view = null;
     await this.load();
+  }
+
+  // The step / wall-time toggle: redraw from the data held (its ts came with it); a zoom
+  // is left, since its range was on the other axis.
+  setAxis() {
+    if (this.zoom) {
+      this.zoom = null;
+      this.view = null;
+      return this.load();
+    }
+    if (this.raw) this.draw();
+    return Promise.resolve();
   }
 
   setMarkers(markers) {

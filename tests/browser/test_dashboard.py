@@ -7,6 +7,7 @@ import pathlib
 import re
 
 from conftest import SCREENSHOTS
+from procs import wait_for
 
 TRAIN = '''
 import math, sys, time
@@ -239,6 +240,126 @@ def test_metric_definition_set_from_the_page(open_page, cluster):
     defs = server.api.get("/api/v1/metric-definitions", expect=200)["definitions"]
     assert any(d["key"] == "val/score" and d["direction"] == "max" and d["primary"] for d in defs)
     w.assert_clean()
+
+
+CKPT_TRAIN = '''
+import pathlib, time
+from gpuctl import run
+run.init()
+pathlib.Path("ckpt").mkdir(exist_ok=True)
+for i in range(100):          # <= 100 points: every chart width draws them all, raw
+    run.log({"train/loss": 2.0 / (1 + i / 10)}, step=i)
+    time.sleep(0.01)             # a point's time is when it was logged: 10 ms apart
+    if i in (30, 60, 99):
+        # eval/loss is best at step 60: the recommendation is not simply the last one
+        run.log({"eval/loss": {30: 0.9, 60: 0.4, 99: 0.6}[i]}, step=i)
+        p = pathlib.Path(f"ckpt/step_{i}.pt")
+        p.write_bytes(b"x" * 1000)
+        run.log_checkpoint(str(p), step=i)
+run.finish()
+'''
+
+
+def x_data(page, key):
+    return page.evaluate("(k) => { const c = window.gpuplane.charts[k];"
+                         " return c && c.u ? [c.u.data[0], c.u.scales.x.time] : null }", key)
+
+
+def test_checkpoints_evaluate_recommend_and_the_wall_time_axis(open_page, cluster):
+    server, _agent, home = cluster
+    wd = pathlib.Path(home) / "ckpt-run"
+    wd.mkdir(exist_ok=True)
+    (wd / "train.py").write_text(CKPT_TRAIN)
+    (wd / "eval.py").write_text("from gpuctl import run\nrun.init()\nrun.log({'eval/loss': 0.3})\n")
+    job = server.api.submit(["python", "train.py"], wd, name="ckpt-train", cpu_only=True,
+                            project="ckpt", experiment="browser", eval_command=["python", "eval.py"])
+    assert server.api.wait_job(job["id"])["state"] == "SUCCEEDED"
+    run_id = server.api.job(job["id"])["run_id"]
+    ckpts = wait_for(lambda: (c := server.api.get(f"/api/v1/runs/{run_id}/checkpoints",
+                                                  expect=200)["checkpoints"]) and len(c) == 3 and c,
+                     30, what="3 checkpoints")
+    by_step = {c["step"]: c["id"] for c in ckpts}
+    wait_for(lambda: server.api.get(f"/api/v1/runs/{run_id}/metrics/train/loss",
+                                    expect=200)["points"][-1][0] == 99, 30, what="all points")
+    rec = server.api.get(f"/api/v1/checkpoints:recommend?run={run_id}", expect=200)
+    assert rec["checkpoint"]["checkpoint_id"] == by_step[60]
+
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(f"{server.url}/#/runs/{run_id}")
+    # The table lists them with their metrics; the recommendation is the API's.
+    page.wait_for_selector("#checkpoint-table tbody tr[data-checkpoint]")
+    assert page.locator("#checkpoint-table tbody tr").count() == 3
+    for step, cid in by_step.items():
+        row = page.locator(f"#checkpoint-table tr[data-checkpoint='{cid}']")
+        assert f"step_{step}.pt" in row.inner_text() and "eval/loss" in row.inner_text()
+    assert page.get_attribute("#recommendation", "data-checkpoint") == str(by_step[60])
+    assert f"checkpoint #{by_step[60]}" in page.inner_text("#recommendation")
+    assert "recommended" in page.get_attribute(f"tr[data-checkpoint='{by_step[60]}']", "class")
+
+    # The x axis: steps, then wall time (epoch seconds, each bucket's ts), remembered.
+    page.wait_for_function("() => { const c = window.gpuplane.charts['train/loss'];"
+                           " return c && c.u && c.u.data[0].length === 100 }")
+    api_series = server.api.get(f"/api/v1/runs/{run_id}/metrics/train/loss?max_points=1000",
+                                expect=200)
+    steps = [p[0] for p in api_series["points"]]
+    times = sorted(t / 1000 for t in api_series["ts"])
+    assert x_data(page, "train/loss") == [steps, False]
+    page.select_option("#xaxis", "time")
+    page.wait_for_function("() => window.gpuplane.charts['train/loss'].u.data[0][0] > 1e9")
+    assert x_data(page, "train/loss") == [times, True]
+    assert times[0] > 1.7e9 and 0.5 < times[-1] - times[0] < 600
+    shot(page, "run-wall-time")
+    # Zoom on the clock asks the server for the steps drawn there and shows those times.
+    a, b = times[40], times[60]
+    page.evaluate("([a, b]) => window.gpuplane.charts['train/loss'].zoomToTime(a, b)", [a, b])
+    zoom, view, xs = page.evaluate("() => { const c = window.gpuplane.charts['train/loss'];"
+                                   " return [c.zoom, [c.u.scales.x.min, c.u.scales.x.max],"
+                                   " c.u.data[0]] }")
+    assert zoom[0] <= 40 and zoom[1] >= 60 and view == [a, b]
+    assert xs == times[zoom[0]:zoom[1] + 1]          # raw: one point per step, at its ts
+    page.reload()
+    page.wait_for_function("() => { const c = window.gpuplane.charts['train/loss'];"
+                           " return c && c.u && c.u.data[0].length === 100 }")
+    assert page.input_value("#xaxis") == "time"
+    assert x_data(page, "train/loss") == [times, True]
+    # ... and back by keyboard.
+    page.focus("#xaxis")
+    page.keyboard.press("ArrowUp")
+    page.wait_for_function("() => window.gpuplane.charts['train/loss'].u.data[0][0] === 0")
+    assert x_data(page, "train/loss") == [steps, False]
+
+    # Evaluate: a confirmation, then an EVALUATE job the API knows.
+    page.click(f"tr[data-checkpoint='{by_step[30]}'] button.evaluate")
+    page.wait_for_selector("#confirm[open]")
+    assert f"checkpoint #{by_step[30]}" in page.inner_text("#confirm-text")
+    page.click("#confirm-yes")
+    page.wait_for_selector("#evaluation-queued")
+    evals = server.api.get(f"/api/v1/checkpoints/{by_step[30]}/evaluations",
+                           expect=200)["evaluations"]
+    assert len(evals) == 1
+    assert server.api.job(evals[0]["job_id"])["command"] == ["python", "eval.py"]
+    assert f"job #{evals[0]['job_id']}" in page.inner_text("#evaluation-queued")
+    page.wait_for_selector(f"tr[data-checkpoint='{by_step[30]}'] .evaluations "
+                           f"a[href='#/jobs/{evals[0]['job_id']}']")
+    shot(page, "run-checkpoints")
+    w.assert_clean()
+
+    # A read token: the same table and recommendation, no evaluate control.
+    read = server.api.post("/api/v1/tokens", {"name": "ckpt-viewer", "scope": "read"}, expect=201)
+    r = open_page(token=read["token"])
+    r.page.goto(f"{server.url}/#/runs/{run_id}")
+    r.page.wait_for_selector("#checkpoint-table tbody tr[data-checkpoint]")
+    r.page.wait_for_selector("#recommendation")
+    assert r.page.locator("#checkpoints button, button.evaluate").count() == 0
+    # The overlay on the experiments page follows the tab's axis too (wall time here).
+    r.page.evaluate("() => sessionStorage.setItem('gpuplane.xaxis', 'time')")
+    r.page.goto(f"{server.url}/#/experiments?project=ckpt&experiment=browser")
+    r.page.wait_for_function("() => { const o = window.gpuplane.charts.overlay;"
+                             " return o && o.u && o.u.data[0].length > 0 }")
+    xs = r.page.evaluate("() => window.gpuplane.charts.overlay.u.data[0]")
+    assert xs[0] > 1.7e9 and r.page.input_value("#xaxis") == "time"
+    r.assert_clean()
 
 
 def test_live_updates_resume_after_a_server_restart_without_a_reload(open_page, cluster):

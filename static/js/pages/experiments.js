@@ -3,7 +3,7 @@
 
 import { api, optional, canWrite } from "../api.js";
 import { h, replace, fmtNum, stateBadge } from "../dom.js";
-import { PALETTE, pointsFor } from "../chart.js";
+import { PALETTE, pointsFor, byTime, xAxisPref, setXAxisPref } from "../chart.js";
 import { errorBox } from "../app.js";
 
 const uPlot = window.uPlot;
@@ -21,13 +21,19 @@ export async function render(root, _params, query) {
     if (groups.includes(want)) pick.value = want;
   }
   const keySel = h("select", { id: "x-key", "aria-label": "Metric" });
+  // Step, or wall time: runs at different times then sit side by side on the clock.
+  const axisSel = h("select", { id: "xaxis" },
+    h("option", { value: "step", text: "step" }), h("option", { value: "time", text: "wall time" }));
+  axisSel.value = xAxisPref();
   const tableEl = h("div", { class: "scroll-x", id: "x-table" });
   const overlayEl = h("figure", { class: "chart card", id: "overlay" });
   const msg = h("div", { class: "msg-area", "aria-live": "polite" });
   const projectsEl = h("div", { id: "projects" });
   root.append(h("div", { class: "page-head" }, h("h1", { text: "Experiments" })),
     h("div", { class: "filters row" }, pick, h("label", { for: "x-key", text: "ranked by" }), keySel), msg, tableEl,
-    h("h2", { text: "Overlay" }), h("p", { class: "muted small", text: "Tick runs in the table to overlay their curves of the chosen metric." }), overlayEl,
+    h("h2", { text: "Overlay" }),
+    h("div", { class: "row" }, h("p", { class: "muted small", text: "Tick runs in the table to overlay their curves of the chosen metric." }),
+      h("label", { for: "xaxis", text: "x axis" }), axisSel), overlayEl,
     h("h2", { text: "Projects and experiments" }), projectsEl);
 
   let rows = [];             // {run, summary: {key: keySummary}}
@@ -112,11 +118,13 @@ export async function render(root, _params, query) {
     const width = Math.max(300, overlayEl.clientWidth - 24);
     const data = await api(`/metrics/series?runs=${ids.join(",")}&key=${encodeURIComponent(key)}&max_points=${pointsFor(width)}`);
     const present = data.series.filter((s) => !s.missing);
-    const joined = uPlot.join(present.map((s) => [s.points.map((p) => p[0]), s.points.map((p) => (typeof p[3] === "number" ? p[3] : null))]));
+    const wall = axisSel.value === "time";
+    const mean = (s) => s.points.map((p) => (typeof p[3] === "number" ? p[3] : null));
+    const joined = uPlot.join(present.map((s) => (wall ? byTime(s.ts || [], [mean(s)]) : [s.points.map((p) => p[0]), mean(s)])));
     const muted = getComputedStyle(document.documentElement).getPropertyValue("--muted").trim() || "#777";
     overlay = new uPlot({
-      width, height: 260, scales: { x: { time: false } },
-      series: [{ label: "step" }, ...present.map((s, i) => ({ label: `run #${s.run_id}`, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: false } }))],
+      width, height: 260, scales: { x: { time: wall } },
+      series: [{ label: wall ? "time" : "step" }, ...present.map((s, i) => ({ label: `run #${s.run_id}`, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: false } }))],
       axes: [{ stroke: muted, grid: { stroke: "rgba(128,128,128,.15)" } }, { stroke: muted, size: 60, grid: { stroke: "rgba(128,128,128,.15)" } }],
     }, joined, overlayEl);
     window.gpuplane.charts.overlay = { u: overlay };
@@ -124,6 +132,10 @@ export async function render(root, _params, query) {
 
   pick.addEventListener("change", () => loadGroup().catch((e) => replace(msg, errorBox(e))));
   keySel.addEventListener("change", () => { draw(); drawOverlay().catch((e) => replace(msg, errorBox(e))); });
+  axisSel.addEventListener("change", () => {
+    setXAxisPref(axisSel.value);
+    drawOverlay().catch((e) => replace(msg, errorBox(e)));
+  });
   if (groups.length) await loadGroup();
   else replace(tableEl, h("p", { class: "muted", text: "No runs yet." }));
   await loadProjects(projectsEl, msg);

@@ -4,14 +4,14 @@
 import { api, optional, canWrite } from "../api.js";
 import { h, replace, fmtTime, fmtDuration, fmtNum, stateBadge, confirmAction } from "../dom.js";
 import { live } from "../live.js";
-import { MetricChart, PALETTE, seriesSource } from "../chart.js";
+import { MetricChart, PALETTE, seriesSource, xAxisPref, setXAxisPref } from "../chart.js";
 import { eventRow } from "./events.js";
 import { errorBox } from "../app.js";
 
 export async function render(root, [id]) {
   const runId = Number(id);
   const [run, summary] = await Promise.all([api(`/runs/${runId}`), api(`/runs/${runId}/metrics`)]);
-  const options = { smoothing: 0, log: false };
+  const options = { smoothing: 0, log: false, xaxis: xAxisPref() };
   const charts = new Map();
   const head = h("div", { class: "page-head" });
   const facts = h("dl", { class: "facts" });
@@ -25,6 +25,14 @@ export async function render(root, [id]) {
   const smoothIn = h("input", { type: "range", id: "smoothing", min: 0, max: 0.99, step: 0.01, value: "0", "aria-label": "Smoothing" });
   const smoothOut = h("output", { for: "smoothing", text: "0" });
   const logIn = h("input", { type: "checkbox", id: "logscale" });
+  const axisIn = h("select", { id: "xaxis" },
+    h("option", { value: "step", text: "step" }), h("option", { value: "time", text: "wall time" }));
+  axisIn.value = options.xaxis;
+  axisIn.addEventListener("change", () => {
+    options.xaxis = axisIn.value;
+    setXAxisPref(axisIn.value);
+    for (const c of charts.values()) if (!c.time) c.setAxis().catch((err) => { c.status.textContent = err.message; });
+  });
   smoothIn.addEventListener("input", () => {
     options.smoothing = Number(smoothIn.value);
     smoothOut.textContent = smoothIn.value;
@@ -95,7 +103,7 @@ export async function render(root, [id]) {
   let markers = [];
   function drawEvents(all) {
     markers = all.filter((e) => e.step !== null && e.step !== undefined)
-      .map((e) => ({ step: e.step, severity: e.severity, label: e.type }));
+      .map((e) => ({ step: e.step, ts: e.ts, severity: e.severity, label: e.type }));
     for (const c of charts.values()) if (!c.time) c.setMarkers(markers);
     replace(eventsEl, all.length ? all.slice().reverse().slice(0, 100).map(eventRow) : h("li", { class: "muted", text: "No events for this run." }));
   }
@@ -105,6 +113,7 @@ export async function render(root, [id]) {
     h("div", { class: "row chart-controls" },
       h("label", { for: "smoothing", text: "Smoothing" }), smoothIn, smoothOut,
       h("label", { class: "check" }, logIn, " log scale"),
+      h("label", { for: "xaxis", text: "x axis" }), axisIn,
       h("span", { class: "muted small", text: "Drag across a chart to zoom in at full resolution; double-click to zoom out. Dashed lines mark events." })),
     trainEl,
     h("section", {}, h("h2", { text: "System" }), sysEl),
@@ -155,36 +164,53 @@ function cssId(key) {
   return key.replace(/[^A-Za-z0-9_-]/g, "_");
 }
 
-// Checkpoints (issue 11's routes): shown when the server has them.
+// Checkpoints (issue 11's routes): shown when the server has them. Values are
+// {key: {step, value}} (docs/api.md); the recommendation names `checkpoint_id`.
+function values(obj) {
+  return obj ? Object.entries(obj).map(([k, v]) => `${k} ${fmtNum(v && typeof v === "object" ? v.value : v)}`).join(" · ") : "";
+}
+
+function fmtSize(n) {
+  if (!n) return "";
+  return n >= 2 ** 30 ? `${(n / 2 ** 30).toFixed(1)} GB` : n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(1)} MB` : `${Math.max(1, Math.round(n / 1024))} KB`;
+}
+
 async function loadCheckpoints(runId, el, msg) {
-  const data = await optional(`/runs/${runId}/checkpoints`);
+  const data = await optional(`/runs/${runId}/checkpoints?detail=1`);
   if (!data) {
     replace(el, h("p", { class: "muted not-available", text: "Checkpoints are not available on this server yet." }));
     return;
   }
   const list = data.checkpoints || [];
-  const rec = await optional(`/checkpoints:recommend?run=${runId}`).catch(() => null);
-  const recId = rec && (rec.checkpoint ? rec.checkpoint.id : rec.id);
+  const rec = list.length ? await optional(`/checkpoints:recommend?run=${runId}`).catch(() => null) : null;
+  const best = rec && rec.checkpoint;
+  const recId = best ? best.checkpoint_id : null;
   replace(el,
-    rec && recId ? h("div", { class: "notice ok", id: "recommendation" }, h("strong", { text: "Recommended: " }),
-      `checkpoint #${recId}`, rec.reason ? h("span", { text: ` — ${rec.reason}` }) : null) : null,
-    list.length ? h("table", { class: "table" },
+    best ? h("div", { class: "notice ok", id: "recommendation", "data-checkpoint": recId },
+      h("strong", { text: "Recommended: " }),
+      `checkpoint #${recId}${best.step !== null && best.step !== undefined ? ` at step ${best.step}` : ""}`,
+      rec.key ? ` · ${rec.key} ${fmtNum(best.value)} (${best.source === "evaluation" ? "evaluated" : "training value"})` : "",
+      rec.reason ? h("span", { class: "small", text: ` — ${rec.reason}` }) : null)
+      : rec && rec.reason ? h("p", { class: "muted small", id: "recommendation-none", text: rec.reason }) : null,
+    list.length ? h("div", { class: "scroll-x" }, h("table", { class: "table", id: "checkpoint-table" },
       h("thead", {}, h("tr", {}, ["Checkpoint", "Step", "Epoch", "Size", "Metrics", "Evaluations", ""].map((t) => h("th", { text: t })))),
-      h("tbody", {}, list.map((c) => h("tr", { class: c.id === recId ? "recommended" : "" },
-        h("td", {}, h("code", { text: c.path })),
+      h("tbody", {}, list.map((c) => h("tr", { class: c.id === recId ? "recommended" : "", "data-checkpoint": c.id },
+        h("td", {}, h("code", { text: c.path }), c.id === recId ? [" ", h("span", { class: "badge ok", text: "recommended" })] : null),
         h("td", { class: "num", text: c.step ?? "" }),
         h("td", { class: "num", text: c.epoch ?? "" }),
-        h("td", { class: "num", text: c.size_bytes ? `${(c.size_bytes / 2 ** 20).toFixed(1)} MB` : "" }),
-        h("td", { class: "small", text: c.metrics ? Object.entries(c.metrics).map(([k, v]) => `${k} ${fmtNum(v)}`).join(" · ") : "" }),
-        h("td", { class: "small", text: (c.evaluations || []).map((e) => `${e.state || ""} ${e.results ? Object.entries(e.results).map(([k, v]) => `${k} ${fmtNum(v)}`).join(" ") : ""}`).join("; ") }),
-        h("td", {}, canWrite() ? h("button", { class: "secondary small", onclick: async () => {
-          if (!(await confirmAction(`Queue an evaluation job for checkpoint #${c.id}?`, "Evaluate"))) return;
+        h("td", { class: "num", text: fmtSize(c.size_bytes) }),
+        h("td", { class: "small metrics", text: values(c.metrics) }),
+        h("td", { class: "small evaluations" }, (c.evaluations || []).map((e) => h("div", {},
+          h("a", { href: `#/jobs/${e.job_id}`, text: `job #${e.job_id}` }), ` ${e.state || ""} ${values(e.results)}`))),
+        h("td", {}, canWrite() ? h("button", { class: "secondary small evaluate", "aria-label": `Evaluate checkpoint #${c.id}`, onclick: async () => {
+          if (!(await confirmAction(`Queue an evaluation job for checkpoint #${c.id} (${c.path})?`, "Evaluate"))) return;
           try {
-            await api(`/checkpoints/${c.id}/evaluations`, { method: "POST", body: {} });
+            const ev = await api(`/checkpoints/${c.id}/evaluations`, { method: "POST", body: {} });
+            replace(msg, h("div", { class: "notice ok", id: "evaluation-queued", text: `Evaluation #${ev.id} of checkpoint #${c.id} queued as job #${ev.job_id}.` }));
             await loadCheckpoints(runId, el, msg);
           } catch (e) {
             replace(msg, errorBox(e));
           }
-        } }, "Evaluate") : null)))))
+        } }, "Evaluate") : null))))))
       : h("p", { class: "muted", text: "No checkpoints registered for this run." }));
 }
