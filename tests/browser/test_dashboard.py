@@ -281,6 +281,10 @@ def test_checkpoints_evaluate_recommend_and_the_wall_time_axis(open_page, cluste
     by_step = {c["step"]: c["id"] for c in ckpts}
     wait_for(lambda: server.api.get(f"/api/v1/runs/{run_id}/metrics/train/loss",
                                     expect=200)["points"][-1][0] == 99, 30, what="all points")
+    # eval/loss decides in this project (another test makes val/score primary globally)
+    server.api.post("/api/v1/metric-definitions", {"key": "eval/loss", "project": "ckpt",
+                                                   "direction": "min", "primary": True})
+    assert server.api.last.status_code in (200, 201), server.api.last.text
     rec = server.api.get(f"/api/v1/checkpoints:recommend?run={run_id}", expect=200)
     assert rec["checkpoint"]["checkpoint_id"] == by_step[60]
 
