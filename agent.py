@@ -14,6 +14,7 @@ import collections
 import errno
 import json
 import logging
+import marshal
 import math
 import os
 import random
@@ -171,7 +172,7 @@ def now_ms():
 def write_json_atomic(path, obj, private=True):
     """tmp file, fsync, rename; the one copy lives in SHIM_SOURCE (the shim needs it too).
     Every file under the agent's home is private to its user."""
-    _shim_write(path, obj, 0o600)
+    _shim_write(path, json.dumps(obj), 0o600)
 
 
 def _private_opener(path, flags):
@@ -814,9 +815,10 @@ class Launcher:
             ct = None
         return p, ct
 
-    def launch(self, att):
+    def launch(self, att, exec_record):
         # A spare shim started after the previous launch has its interpreter up already:
-        # handing it the dir takes a pipe write instead of a Python start.
+        # handing it the dir and the exec record takes a pipe write instead of a Python
+        # start (marshal: the shim reads it without importing json).
         spare, self._spare = self._spare, None
         if spare is None or spare[0].poll() is not None:
             spare = self._spawn()
@@ -825,7 +827,8 @@ class Launcher:
             write_json_atomic(att.file("launch.json"), {"shim_pid": att.popen.pid,
                                                         "shim_create_time": ct})
             try:
-                att.popen.stdin.write(att.dir.encode() + b"\n")
+                att.popen.stdin.write(os.fsencode(att.dir) + b"\n"
+                                      + marshal.dumps(exec_record))
                 att.popen.stdin.close()
                 break
             except OSError:
@@ -1733,7 +1736,7 @@ class Runner(Worker):
         att = self._new_attempt(job_id, attempt, path)
         self.active[key] = att
         if spec["exec"] is not None:
-            self.launcher.launch(att)
+            self.launcher.launch(att, spec["exec"])
         self._tick_attempt(att)
         if att.final:
             del self.active[key]
@@ -1905,22 +1908,40 @@ class Runner(Worker):
 # the shim: its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
 
-# The shim runs as `python -c SHIM_SOURCE DIR` and does not import this file: a few stdlib
-# imports instead of compiling it (and importing psutil), so a job starts ~100 ms sooner.
-# The same text defines shim_main in this module (`agent.py _shim DIR` runs it too), so
-# there is one copy of it. It starts with an environment of its own (shim_environment);
-# the job's comes from spec.json.
+# The shim runs as `python -I -S -c SHIM_SOURCE DIR` and does not import this file: only
+# modules built into the interpreter (no json, whose decoder pulls in re and enum, no
+# signal, which imports enum, and no subprocess), so its start costs about a third of a plain `python -c pass`: on a host
+# draining short jobs that CPU is the job's. The same text defines shim_main in this module,
+# so there is one copy of it. It starts with an environment of its own
+# (shim_environment); the job's exec record comes through its stdin (a spare shim) or
+# from spec.json (`shim_command() + [DIR]`, which imports json).
 SHIM_SOURCE = r"""
-import json, os, signal, subprocess, sys, time
+# _signal, not signal: signal imports enum, which costs as much as the rest of the start
+import _signal as signal, marshal, os, sys, time
 
 
-def _shim_write(path, obj, mode=0o600):
+def _shim_write(path, text, mode=0o600):
     tmp = f"{path}.tmp{os.getpid()}"
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+
+
+def _shim_json(record):
+    # json.dumps of a flat record (str, int, float, bool or None values)
+    def value(v):
+        if v is None or v is True or v is False:
+            return {None: "null", True: "true", False: "false"}[v]
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + "".join(
+            c if " " <= c and c not in '"\\' and not "\ud800" <= c <= "\udfff"
+            else "\\u%04x" % ord(c) for c in str(v)) + '"'
+    return "{" + ", ".join(f"{value(k)}: {value(v)}" for k, v in record.items()) + "}"
 
 
 def _shim_ctime(pid):
@@ -1940,59 +1961,71 @@ def _shim_ctime(pid):
 
 
 def shim_main(path):
-    # the agent may restart or its terminal may close; the job must not notice
+    # the agent may restart or its terminal may close; the shim must not notice (the job
+    # gets the default dispositions back: it runs in a session of its own)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    packed = None
     if path == "-":
-        # a spare shim, started ahead of time: the agent hands it an attempt dir, or
-        # closes the pipe (stopping, or gone) and it ends without a trace
-        path = sys.stdin.readline().rstrip("\n")
+        # a spare shim, started ahead of time: the agent hands it an attempt dir and the
+        # exec record (marshal), or closes the pipe (stopping, or gone) and it ends
+        # without a trace
+        path, _, packed = sys.stdin.buffer.read().partition(b"\n")
         if not path:
             return 0
+        path = os.fsdecode(path)
     now_ms = lambda: int(time.time() * 1000)
-    logf = open(os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                        0o600), "ab", buffering=0)
+    log_fd = os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def end(record):
+        _shim_write(os.path.join(path, "exit"),
+                    _shim_json({"exit_code": None, "signal": None, "ended_at": now_ms(),
+                                **record}))
 
     def fail(msg):
-        logf.write(f"gpuplane: {msg}\n".encode())
-        _shim_write(os.path.join(path, "exit"), {
-            "exit_code": None, "signal": None, "ended_at": now_ms(),
-            "failure_kind": "DISPATCH_FAILED", "message": msg})
+        os.write(log_fd, f"gpuplane: {msg}\n".encode("utf-8", "backslashreplace"))
+        end({"failure_kind": "DISPATCH_FAILED", "message": msg})
         return 1
 
     try:
-        with open(os.path.join(path, "spec.json")) as f:
-            ex = json.load(f)["exec"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if packed:
+            ex = marshal.loads(packed)
+        else:
+            import json
+            with open(os.path.join(path, "spec.json")) as f:
+                ex = json.load(f)["exec"]
+        argv, exe, cwd, env = ex["argv"], ex["executable"], ex["cwd"], ex["env"]
+    except (OSError, ValueError, EOFError, KeyError, TypeError) as e:
         return fail(f"the agent's start record for this job is unreadable: {e}")
     if os.path.exists(os.path.join(path, "cancel")):
-        _shim_write(os.path.join(path, "exit"), {
-            "exit_code": None, "signal": None, "ended_at": now_ms(),
-            "message": "cancelled before start"})
+        end({"message": "cancelled before start"})
         return 0
     try:
-        proc = subprocess.Popen(ex["argv"], executable=ex["executable"], cwd=ex["cwd"],
-                                env=ex["env"], stdin=subprocess.DEVNULL, stdout=logf,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                close_fds=True)
+        os.chdir(cwd)
+        # posix_spawn, not subprocess: the same fork + exec without importing subprocess;
+        # its own session (the agent kills the job's group), stdin from /dev/null, output
+        # to the log, and the signal dispositions a new program expects
+        pid = os.posix_spawn(exe, argv, env, setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, log_fd, 1),
+            (os.POSIX_SPAWN_DUP2, log_fd, 2)],
+            setsigdef=(signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ))
     except OSError as e:
-        return fail(f"cannot execute {ex['argv'][0]!r}: {e.strerror or e}")
+        return fail(f"cannot execute {argv[0]!r}: {e.strerror or e}")
     except (ValueError, TypeError) as e:     # a NUL byte in argv or env, and the like
-        return fail(f"cannot execute {str(ex['argv'][0])[:200]!r}: {e}; "
+        return fail(f"cannot execute {str(argv[0])[:200]!r}: {e}; "
                     "fix the job's command or env")
-    _shim_write(os.path.join(path, "pid"), {
-        "pid": proc.pid, "create_time": _shim_ctime(proc.pid), "shim_pid": os.getpid(),
-        "shim_create_time": _shim_ctime(os.getpid())})
+    _shim_write(os.path.join(path, "pid"), _shim_json({
+        "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": os.getpid(),
+        "shim_create_time": _shim_ctime(os.getpid())}))
     try:      # wakes the agent's waiter; an agent that is gone is no reason to stop
         sys.stdout.write("started\n")
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    rc = proc.wait()
-    logf.close()
-    _shim_write(os.path.join(path, "exit"), {
-        "exit_code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None,
-        "ended_at": now_ms()})
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os.close(log_fd)
+    end({"exit_code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None})
     return 0
 """
 _shim_ns = {}

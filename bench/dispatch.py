@@ -29,7 +29,7 @@ import requests
 from harness import ROOT, free_port, start_server, stop_server
 
 
-def wait(cond, timeout=60, what="condition"):
+def wait(cond, timeout=60, what="condition", every=0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -37,7 +37,7 @@ def wait(cond, timeout=60, what="condition"):
                 return
         except requests.RequestException:
             pass
-        time.sleep(0.01)
+        time.sleep(every)
     raise SystemExit(f"timed out waiting for {what}")
 
 
@@ -65,6 +65,20 @@ def submit(s, url, command, workdir):
                                            "gpus": 1, "name": "bench"}, timeout=30)
     r.raise_for_status()
     return r.json()["id"]
+
+
+def cpu_split(procs, agent):
+    """CPU seconds so far: server (master + worker), agent, the agent's reaped children
+    (shims and the jobs under them), this benchmark process."""
+    import psutil
+    server = psutil.Process(procs[1].pid)
+    tree = [server] + server.children(recursive=True)
+    a = psutil.Process(agent.pid).cpu_times()
+    me = psutil.Process().cpu_times()
+    return {"server": sum(sum(p.cpu_times()[:2]) for p in tree),
+            "agent": a.user + a.system,
+            "shims+jobs": a.children_user + a.children_system,
+            "bench client": me.user + me.system}
 
 
 def pct(values, p):
@@ -115,6 +129,7 @@ def main():
 
         # 2. drain N trivial jobs through the slots
         trivial = [sys.executable, "-c", "pass"]
+        cpu0 = cpu_split(procs, agent)
         t0 = time.monotonic()
         ids = [submit(s, url, trivial, work) for _ in range(args.drain)]
         last = ids[-1]
@@ -123,14 +138,23 @@ def main():
             jobs = s.get(f"{url}/api/v1/jobs?limit={args.drain + 10}", timeout=10).json()["jobs"]
             done = [j for j in jobs if j["id"] in set(ids) and j["state"] == "SUCCEEDED"]
             return len(done) == len(ids)
-        wait(drained, timeout=600, what=f"{args.drain} jobs drained (last {last})")
+        # the last job's state every 50 ms, then the whole list once: polling the list
+        # every 10 ms cost the server more CPU than the jobs' dispatch on 2 cores
+        wait(lambda: s.get(f"{url}/api/v1/jobs/{last}", timeout=5).json()["state"]
+             in ("SUCCEEDED", "FAILED"), timeout=600, what=f"job {last}", every=0.05)
+        wait(drained, timeout=600, what=f"{args.drain} jobs drained (last {last})", every=0.05)
         drain_s = time.monotonic() - t0
+        cpu1 = cpu_split(procs, agent)
 
+        import resource
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:
             list(pool.map(lambda _: subprocess.run(trivial, cwd=work, check=True),
                           range(args.drain)))
         direct_drain_s = time.monotonic() - t0
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        direct_cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
     finally:
         for p in procs:
             stop_server(p)          # both run as their own process group
@@ -149,6 +173,8 @@ def main():
     print(f"  direct   : {direct_drain_s:.2f} s ({args.drain / direct_drain_s:.1f} jobs/s)"
           f"   ({args.slots} subprocess.run at a time)")
     print(f"  ratio    : {drain_s / direct_drain_s:.1f}x")
+    print("  CPU      : gpuplane " + ", ".join(f"{k} {cpu1[k] - cpu0[k]:.2f} s" for k in cpu0)
+          + f"; direct: the jobs {direct_cpu:.2f} s")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class Scheduler(Worker):
         return free, all_nodes
 
     def schedule(self):
-        queue = jobs.queued(self.db)
+        queue = jobs.placement_queue(self.db)
         if not queue:
             return
         free, all_nodes = self.free_slots()

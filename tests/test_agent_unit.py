@@ -991,3 +991,17 @@ def test_server_cursor_behind_acked_starts_a_new_epoch(tmp_path, server):
         assert server.records()[-1]["type"] == "AFTER" and server.records()[-1]["seq"] == 1
     finally:
         b.stop()
+
+
+def test_job_starts_with_default_signal_dispositions(tmp_path, hosts):
+    """The shim ignores SIGHUP and SIGINT (and Python, SIGPIPE) for itself; the job it
+    starts gets them back at their defaults, as from a shell."""
+    h = hosts(tmp_path / "home")
+    h.runner.handle_start(start_msg(7, ["/bin/sh", "-c", "grep SigIgn /proc/self/status"],
+                                    tmp_path))
+    rec = h.wait_exited(7)
+    assert rec["exit_code"] == 0
+    [line] = [ln[2] for ln in log_lines(h.outbox, 7)]
+    ignored = int(line.split()[1], 16)
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+        assert not ignored & (1 << (sig - 1)), f"{sig.name} is ignored in the job"
