@@ -1,9 +1,10 @@
 """Metric rollups: the algorithm and the thread that runs it; the SQL is in
 gpuplane/db/metrics.py.
 
-Every tick recomputes the buckets that newly ingested points touched (the step ranges
-ingest recorded in `metric_dirty`; out-of-order and replaced points included). Once every
-`retention_check_s` it deletes raw points older than `raw_retention_days` (server.toml;
+Every tick brings up to date the buckets that newly ingested points touched (the step
+ranges ingest recorded in `metric_dirty`): the base level from raw points where the ingest
+did not write it itself (out-of-order and replaced points), and the levels above from it.
+Once every `retention_check_s` it deletes raw points older than `raw_retention_days` (server.toml;
 0 or absent keeps them forever); rollups are kept, so series and summaries still work.
 """
 import logging
@@ -59,23 +60,25 @@ def _merge_ranges(ranges, gap=CHUNK):
     return out
 
 
-def _roll_chunk(db, key_id, lo, hi, widths, skip_to=-1):
-    """Recompute the buckets of levels `widths` (ascending, from BASE) covering [lo, hi].
+def _roll_chunk(db, key_id, lo, hi, widths, skip_to, raw_spans):
+    """Bring the buckets of levels `widths` (ascending, from BASE) covering [lo, hi] up to
+    date, in one short transaction: the base level from raw points over `raw_spans` (the
+    ranges whose base buckets the ingest did not write), the levels above from the base.
+    Buckets holding a step <= skip_to (raw points pruned by retention) are kept as they are.
 
-    The base level is aggregated from raw points outside the write lock (the GROUP BY is
-    the costly part; a stale read is redone by the next tick, whose dirty range covers
-    it), then written with the levels above in one short transaction. Buckets holding a
-    step <= skip_to (raw points pruned by retention) are kept as they are.
+    The raw aggregation runs inside the write transaction: an ingest that extends a base
+    bucket meanwhile would otherwise be overwritten by the older aggregate, and nothing
+    would redo it (its range is marked as having its base written).
     """
-    b_lo, b_hi = lo // BASE, hi // BASE
-    if skip_to >= 0:
-        b_lo = max(b_lo, skip_to // BASE + 1)
-        if b_lo > b_hi:
-            return
-    with db.read() as conn:
-        rows = store.agg_raw(conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
     with db.tx() as conn:
-        store.write_buckets(conn, key_id, BASE, rows)
+        for r_lo, r_hi in raw_spans:
+            b_lo, b_hi = max(lo, r_lo) // BASE, min(hi, r_hi) // BASE
+            if skip_to >= 0:
+                b_lo = max(b_lo, skip_to // BASE + 1)
+            if b_lo > b_hi:
+                continue
+            rows = store.agg_raw(conn, key_id, BASE, b_lo * BASE, b_hi * BASE + BASE - 1)
+            store.write_buckets(conn, key_id, BASE, rows)
         _roll_levels(conn, key_id, lo, hi, widths[1:], skip_to)
 
 
@@ -104,8 +107,8 @@ def roll_up(db, stop=None):
         return 0
     last_id = dirty[-1][0]
     by_key = {}
-    for _, k, lo, hi in dirty:
-        by_key.setdefault(k, []).append((lo, hi))
+    for _, k, lo, hi, base in dirty:
+        by_key.setdefault(k, []).append((lo, hi, base))
     for key_id, ranges in by_key.items():
         if stop is not None and stop.is_set():
             return 0           # the dirty rows stay; the next start does the rest
@@ -115,9 +118,11 @@ def roll_up(db, stop=None):
 
 
 def roll_key(db, key_id, ranges):
+    """ranges: [(lo, hi, base)], base true where the ingest wrote the base buckets."""
     with db.read() as conn:
         rolled, top, pruned = store.rollup_state(conn, key_id)
-    spans = _merge_ranges(ranges)
+    spans = _merge_ranges((lo, hi) for lo, hi, _ in ranges)
+    raw = _merge_ranges(((lo, hi) for lo, hi, base in ranges if not base), gap=BASE)
     max_hi = max(hi for _, hi in spans)
     new_top = max(top, _top_width(max(max_hi, rolled)))
     fine = [w for w in LEVELS if w <= min(CHUNK, new_top)]
@@ -125,7 +130,9 @@ def roll_key(db, key_id, ranges):
     for lo, hi in spans:
         # Levels up to CHUNK align inside a CHUNK-wide span: one short transaction each.
         for c0 in range(lo - lo % CHUNK, hi + 1, CHUNK):
-            _roll_chunk(db, key_id, max(lo, c0), min(hi, c0 + CHUNK - 1), fine, pruned)
+            c_lo, c_hi = max(lo, c0), min(hi, c0 + CHUNK - 1)
+            _roll_chunk(db, key_id, c_lo, c_hi, fine, pruned,
+                        [r for r in raw if r[0] <= c_hi and r[1] >= c_lo])
         if coarse:
             with db.tx() as conn:
                 _roll_levels(conn, key_id, lo, hi, coarse, pruned)

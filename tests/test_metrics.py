@@ -518,3 +518,72 @@ def test_bad_binary_batches_are_400_and_store_nothing(client, db, mangle, fragme
     bad_index = metricwire.encode_binary(["loss"], [[3, 1, 0.5, TS]])
     assert "out of range" in post_binary(client, run, bad_index, expect=400)["error"]["message"]
     assert count_points(db) == 0
+
+
+def _same(a, b):
+    """Rollup rows equal; sums (the only value whose rounding depends on how a bucket was
+    split between batches) to 1e-12."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        x, y = tuple(x), tuple(y)
+        if x[:5] + x[6:] != y[:5] + y[6:]:
+            return False
+        if (x[5] is None) != (y[5] is None) or (x[5] is not None and x[5] != pytest.approx(y[5], rel=1e-12)):
+            return False
+    return True
+
+
+def test_buckets_written_at_ingest_equal_those_from_raw(client, db):
+    """A batch that appends to its keys has its base buckets written by the ingest from
+    the batch in memory; every level must hold exactly what aggregating the raw points
+    gives, through appends (regular and irregular layouts, gaps, NaN, infinities, buckets
+    split across batches), a late batch, a replayed one, and appends after those."""
+    run = new_run(client)
+    keys = ["loss", "acc", "lr"]
+    # regular layout: every step lists all keys in order, steps 0..99 then 100..249
+    post(client, run, keys, [[k, s, 1.0 / (1 + s) + k, TS + s] for s in range(100)
+                             for k in range(3)])
+    post(client, run, keys, [[k, s, float("nan") if s % 7 == 0 else s * 0.5 - k, TS + s]
+                             for s in range(100, 250) for k in range(3)])
+    # irregular: loss every step, acc every 10th, lr once; gaps; infinities
+    pts = [[0, s, math.inf if s == 260 else -s, TS + s] for s in range(250, 400, 3)]
+    pts += [[1, s, 2.0, TS] for s in range(250, 400, 10)] + [[2, 399, -math.inf, TS]]
+    post(client, run, keys, pts)
+    ids = {k: metrics.key_id(db, run, k) for k in keys}
+    marks = db.query("SELECT key_id, base FROM metric_dirty ORDER BY id")
+    assert all(base == 1 for _, base in marks)      # the appends took the ingest path
+    written = db.query("SELECT count(*) FROM rollups WHERE width = ?", (metrics.BASE,))[0][0]
+    assert written > 0                               # before any rollup ran
+    rollup.roll_up(db)
+    # a late batch (fills in), a replay with new values, then appends again
+    post(client, run, ["loss"], [[0, s, 7.0, TS] for s in range(251, 400, 3)])
+    post(client, run, ["acc"], [[0, s, -1.0, TS] for s in range(0, 120)])
+    post(client, run, keys, [[k, s, float(s % 5), TS + s] for s in range(400, 450)
+                             for k in range(3)])
+    marks = db.query("SELECT key_id, base FROM metric_dirty ORDER BY id")
+    assert [b for _, b in marks[:2]] == [0, 0] and all(b == 1 for _, b in marks[2:])
+    rollup.roll_up(db)
+    top = db.query_one("SELECT max(top_width) FROM metric_rollup")[0]
+    with db.read() as conn:
+        for key, key_id in ids.items():
+            for w in [w for w in metrics.LEVELS if w <= top]:
+                stored = metrics.level_rows(conn, key_id, w, 0, 10**6)
+                fresh = metrics.agg_raw(conn, key_id, w, 0, 10**6)
+                assert _same(stored, fresh), (key, w, stored[:3], fresh[:3])
+
+
+def test_agg_batch_matches_sql_on_nan_and_infinities():
+    steps = list(range(5, 60)) + [70, 71, 90]
+    values = [float("nan") if s % 3 == 0 else math.inf if s == 20 else -math.inf if s == 22
+              else s / 3 for s in steps]
+    rows = metrics.agg_batch(steps, values, [TS + s for s in steps], 16)
+    by_bucket = {r[0]: r for r in rows}
+    assert sorted(by_bucket) == [0, 1, 2, 3, 4, 5]
+    b1 = by_bucket[1]                     # steps 16..31, with inf and -inf: NaN sum
+    assert b1[1:3] == (16, 31) and b1[3] == -math.inf and b1[4] == math.inf
+    assert math.isnan(b1[5]) and b1[6] == 16 and b1[7] == 16 - 5
+    assert by_bucket[5][1:3] == (90, 90) and by_bucket[5][6:8] == (1, 0)   # 90: NaN only
+    assert by_bucket[5][3] is None and by_bucket[5][5] is None
+    assert metrics.agg_batch([3, 2], [1.0, 1.0], [TS, TS], 16) is None
+    assert metrics.agg_batch([3, 3], [1.0, 1.0], [TS, TS], 16) is None

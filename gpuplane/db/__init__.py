@@ -357,8 +357,15 @@ WHERE width = {w} AND key_id IN (SELECT key_id FROM metric_rollup WHERE top_widt
 """ for w in (4**j for j in range(3, 32)))
 
 # Forward migrations: MIGRATIONS[i] takes a database at user_version i to i + 1.
+# A metric_dirty row whose base buckets the ingest already wrote (a batch that appends to
+# its key, gpuplane/db/metrics.py): the rollup builds only the levels above from them.
+SCHEMA_V9_DIRTY_BASE = """
+ALTER TABLE metric_dirty ADD COLUMN base INTEGER NOT NULL DEFAULT 0;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
-              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS]
+              SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
+              SCHEMA_V9_DIRTY_BASE]
 
 
 _databases = weakref.WeakSet()

@@ -9,12 +9,18 @@ Storage (docs/metrics.md):
   Min/max/mean ignore NaN; a bucket of only NaN has NULL (NaN) min/max/mean.
 - A row in the rollup shape, as the functions here read and write it: (bucket, first_step,
   last_step, min, max, sum, count, vcount, last, first_ts).
-- Ingest appends one `metric_dirty` row (key, lo, hi) per key per batch. The rollup
-  algorithm (gpuplane/rollup.py) recomputes the buckets those ranges touch and advances
-  the key's `rolled_step`; the series planner (gpuplane/series.py) reads rollups up to
+- Ingest appends one `metric_dirty` row (key, lo, hi, base) per key per batch. A key whose
+  points in the batch all come after every step it has (the usual case: training
+  appends) gets its base buckets written by the ingest itself, from the batch in memory
+  (agg_batch, `base` = 1); the rollup algorithm (gpuplane/rollup.py) recomputes the base
+  buckets of the other ranges from raw, builds the levels above, and advances the key's
+  `rolled_step`; the series planner (gpuplane/series.py) reads rollups up to
   there and raw points after. The wire format is checked in gpuplane/metricwire.py.
 """
-from itertools import chain, repeat
+import math
+from bisect import bisect_left
+from itertools import chain, islice, repeat
+from operator import floordiv, itemgetter, lt, sub
 
 from ..metricwire import parse_batch
 
@@ -93,16 +99,28 @@ def resolve_keys(conn, run_id, keys, known=None):
 
 
 def insert_points(conn, ids, cols):
-    """Upsert parsed columns; mark the touched step range of each key for the rollup."""
+    """Upsert parsed columns; write the base buckets of the keys the batch appends to, and
+    mark the touched step range of each key for the rollup."""
     kidx, steps, values, ts = cols
     if not steps:
         return 0
     if len(ids) == 1:
         key_col = repeat(ids[0])
-        used = ids
     else:
         key_col = map(ids.__getitem__, kidx)
-        used = [ids[i] for i in set(kidx)]
+    per_key = _split_by_key(ids, kidx, steps, values, ts)
+    # Before the insert: what each key holds, to tell an append from a replacement.
+    base = {}
+    for key_id, (k_steps, k_values, k_ts) in per_key.items():
+        rows = agg_batch(k_steps, k_values, k_ts, BASE)
+        if rows is None:
+            continue
+        held, last = _append_state(conn, key_id)
+        if k_steps[0] <= held:
+            continue            # replaces or fills in: the rollup recomputes from raw
+        if last is not None and last[0] == rows[0][0]:
+            rows[0] = _merge_bucket(last, rows[0])
+        base[key_id] = rows
     rows = list(zip(key_col, steps, values, ts))
     # Whole groups of ROWS_PER_INSERT go in as one multi-row INSERT (a quarter less CPU
     # than executemany, which steps the statement once per row); the rest by executemany.
@@ -112,12 +130,95 @@ def insert_points(conn, ids, cols):
     if whole < len(rows):
         conn.executemany("INSERT OR REPLACE INTO points (key_id, step, value, ts)"
                          " VALUES (?,?,?,?)", rows[whole:])
-    # One range per key for the whole batch: a batch usually logs its keys at the same
-    # steps, and a wider range only means a little more recomputation.
-    lo, hi = min(steps), max(steps)
-    conn.executemany("INSERT INTO metric_dirty (key_id, lo, hi) VALUES (?, ?, ?)",
-                     [(k, lo, hi) for k in used])
+    for key_id, bucket_rows in base.items():
+        write_buckets(conn, key_id, BASE, bucket_rows)
+    conn.executemany("INSERT INTO metric_dirty (key_id, lo, hi, base) VALUES (?, ?, ?, ?)",
+                     [(key_id, min(k_steps), max(k_steps), 1 if key_id in base else 0)
+                      for key_id, (k_steps, _, _) in per_key.items()])
     return len(steps)
+
+
+def _split_by_key(ids, kidx, steps, values, ts):
+    """{key_id: (steps, values, ts)} of a batch, each in the batch's order. Slices (C
+    speed) when every point of a step lists the keys in order, as the SDK sends them."""
+    if len(ids) == 1:
+        return {ids[0]: (steps, values, ts)}
+    n, k = len(steps), len(ids)
+    if n % k == 0 and list(kidx[:k]) == list(range(k)) and kidx[k:] == kidx[:-k]:
+        return {ids[i]: (steps[i::k], values[i::k], ts[i::k]) for i in range(k)}
+    where = {}
+    for i, key in enumerate(kidx):
+        where.setdefault(key, []).append(i)
+    out = {}
+    for key, idx in where.items():
+        if len(idx) == 1:
+            i = idx[0]
+            out[ids[key]] = ((steps[i],), (values[i],), (ts[i],))
+        else:
+            pick = itemgetter(*idx)
+            out[ids[key]] = (pick(steps), pick(values), pick(ts))
+    return out
+
+
+def agg_batch(steps, values, ts, w):
+    """agg_raw of one key's points of a batch, computed from the batch in memory, or None
+    when its steps do not strictly ascend. NaN is left out of min, max and sum as SQLite
+    leaves out the NULL it stores for NaN (and a NaN bound to a statement is stored as
+    NULL, so a sum of inf and -inf becomes NULL there too). Column-wise, with C-level
+    map/zip over the buckets' slices: no Python bytecode per point."""
+    n = len(steps)
+    if n > 1 and not all(map(lt, steps, islice(steps, 1, None))):
+        return None
+    if steps[n - 1] - steps[0] == n - 1:        # every step: a bucket every w points
+        cuts = [0, *range(min(n, w - steps[0] % w), n, w), n]
+    else:
+        cuts, i = [0], 0
+        while i < n:
+            i = bisect_left(steps, (steps[i] // w + 1) * w, i)
+            cuts.append(i)
+    starts, ends = cuts[:-1], cuts[1:]
+    lasts = [e - 1 for e in ends]
+    vals = list(map(values.__getitem__, map(slice, starts, ends)))
+    total = sum(values)
+    if total == total:              # no NaN (inf - inf also takes the careful path)
+        mins, maxs, sums, vcounts = map(min, vals), map(max, vals), map(sum, vals), \
+            map(sub, ends, starts)
+    else:
+        vals = [[v for v in vs if v == v] for vs in vals]
+        mins = [min(vs) if vs else None for vs in vals]
+        maxs = [max(vs) if vs else None for vs in vals]
+        sums = [sum(vs) if vs else None for vs in vals]
+        vcounts = map(len, vals)
+    first = map(steps.__getitem__, starts)
+    return list(zip(map(floordiv, first, repeat(w)), map(steps.__getitem__, starts),
+                    map(steps.__getitem__, lasts), mins, maxs, sums, map(sub, ends, starts),
+                    vcounts, map(values.__getitem__, lasts),
+                    map(min, map(ts.__getitem__, map(slice, starts, ends)))))
+
+
+def _append_state(conn, key_id):
+    """(the highest step the key has held, its last base bucket row or None): pruned
+    steps count as held."""
+    top = conn.execute("SELECT max(step) FROM points WHERE key_id = ?", (key_id,)).fetchone()[0]
+    pruned = conn.execute("SELECT pruned_step FROM metric_rollup WHERE key_id = ?",
+                          (key_id,)).fetchone()
+    held = max(-1 if top is None else top, pruned[0] if pruned else -1)
+    last = conn.execute(
+        "SELECT bucket, first_step, last_step, min, max, sum, count, vcount, last, first_ts"
+        " FROM rollups WHERE key_id = ? AND width = ? ORDER BY bucket DESC LIMIT 1",
+        (key_id, BASE)).fetchone()
+    return held, last
+
+
+def _merge_bucket(old, new):
+    """A base bucket whose points so far are `old` and which `new` (later steps) extends."""
+    def pick(f, a, b):
+        return b if a is None else a if b is None else f(a, b)
+    # a NULL sum over values that are not all NaN is a NaN sum (inf - inf): it stays NaN
+    old_sum = old[5] if old[5] is not None or not old[7] else math.nan
+    return (new[0], old[1], new[2], pick(min, old[3], new[3]), pick(max, old[4], new[4]),
+            pick(lambda a, b: a + b, old_sum, new[5]), old[6] + new[6], old[7] + new[7],
+            new[8], pick(min, old[9], new[9]))
 
 
 def ingest(conn, run_id, keys, points):
@@ -184,7 +285,7 @@ _INSERT_BUCKETS = ("INSERT OR REPLACE INTO rollups (key_id, width, bucket, first
 
 def write_buckets(conn, key_id, width, rows):
     """Rows in the agg_raw shape as buckets of `width`."""
-    conn.executemany(_INSERT_BUCKETS, [(key_id, width, *r) for r in rows])
+    conn.executemany(_INSERT_BUCKETS, ((key_id, width) + tuple(r) for r in rows))
 
 
 def build_level(conn, key_id, w, b_lo, b_hi):
@@ -200,8 +301,9 @@ def set_rolled(conn, key_id, rolled_step, top_width):
 
 
 def dirty_ranges(db):
-    """[(id, key_id, lo, hi)] the ingest marked for the rollup, oldest first."""
-    return db.query("SELECT id, key_id, lo, hi FROM metric_dirty ORDER BY id")
+    """[(id, key_id, lo, hi, base)] the ingest marked for the rollup, oldest first; `base`
+    is 1 where the ingest wrote the base buckets itself."""
+    return db.query("SELECT id, key_id, lo, hi, base FROM metric_dirty ORDER BY id")
 
 
 def clear_dirty(db, upto_id):
