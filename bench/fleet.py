@@ -224,18 +224,14 @@ def worker_pid(server_pid):
 
 
 def proc_sample(pid):
-    """Threads, descriptors (all; and those of the SQLite database file apart), RSS, CPU.
-
-    SQLite (unix VFS) keeps the descriptor of a closed connection open for reuse while
-    other connections of the process hold their lock on the same file, which in WAL mode
-    they always do: those are counted as `db_fds` and compared with the peak, not the
-    baseline (the next connections reuse them; they never grow past the pool)."""
+    """Threads, descriptors (those of the SQLite database, its -wal and -shm apart, in
+    `db_fds`: a fixed pool of connections, gpuplane/db/__init__.py), RSS, CPU."""
     import psutil
     p = psutil.Process(pid)
     db_fds = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(".db"):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").endswith((".db", ".db-wal", ".db-shm")):
                 db_fds += 1
         except OSError:
             pass
@@ -355,7 +351,8 @@ def run_fleet(url, token, pid, agents=32, gpus=8, followers=100, slow=200, secon
     after, settled = None, None
     while time.monotonic() - stopped < settle_s + 20:
         after = proc_sample(pid)
-        if after["threads"] <= base["threads"] and after["fds"] <= base["fds"]:
+        if (after["threads"] <= base["threads"] and after["fds"] <= base["fds"]
+                and after["db_fds"] <= base["db_fds"]):
             settled = time.monotonic() - stopped
             break
         time.sleep(0.25)

@@ -540,7 +540,8 @@ def test_fleet_bounded(server_factory, monkeypatch):
     assert r["status_errors"] == 0 and r["status_requests"] > 0
     assert r["followers_admitted"] == 8 and r["followers_503"] == 4   # 16 - 4 - 4
     assert r["slow_dropped_by_server"] >= 40
-    assert r["back_to_baseline_s"] is not None, r
+    assert r["back_to_baseline_s"] is not None, r      # threads, sockets and database fds
+    assert r["db_fds_after"] <= r["db_fds_base"], r
 
 
 def test_the_ack_transaction_is_durable(tmp_path):
