@@ -1,9 +1,10 @@
 """Dashboard figures in headless Chromium (Debian's, driven by playwright).
 
-1. run page: a run with KEYS keys x POINTS points (default 8 x 1 000 000); time from
-   navigation to the first chart painted, and bytes transferred until every chart is
-   drawn; beside it a naive page that fetches every point of ONE key (paging the raw
-   series 10 000 points at a time, the API's bound), in the same run.
+1. run page: a run with KEYS keys x POINTS points (default 8 x 1 000 000, a step every
+   10 ms); time from navigation to the first chart painted, and bytes transferred until
+   every chart is drawn, three loads on the step axis and three on wall time; beside it
+   a naive page that fetches every point of ONE key (paging the raw series 10 000 points
+   at a time, the API's bound), in the same run.
 2. log latency: a job prints its own clock every 100 ms; the job page notes when each
    line appears; p50 / p95 of (seen - printed), same host, same clock.
 3. overview with N nodes x G GPUs (default 32 x 8): a full refresh from one status
@@ -80,13 +81,13 @@ def bench_run(p, server, keys, points):
     run = api.post("/api/v1/runs", {"project": "bench", "name": "big"}, expect=201)
     names = [f"train/key{k}" for k in range(keys)]
     t0 = time.monotonic()
-    now = int(time.time() * 1000)
+    start = int(time.time() * 1000) - points * 10       # a step every 10 ms, ending now
     batch = 200_000
     s = requests.Session()
     s.headers.update({"Authorization": f"Bearer {server.token}", "Content-Type": BINARY_TYPE})
     for k in range(keys):
         for lo in range(0, points, batch):
-            pts = [[k, i, 1.0 / (1 + i / 1000) + (i % 97) * 1e-4, now] for i in range(lo, min(points, lo + batch))]
+            pts = [[k, i, 1.0 / (1 + i / 1000) + (i % 97) * 1e-4, start + 10 * i] for i in range(lo, min(points, lo + batch))]
             r = s.post(f"{server.url}/api/v1/runs/{run['id']}/metrics", data=encode_binary(names, pts), timeout=300)
             assert r.ok, r.text
     ingest_s = time.monotonic() - t0
@@ -100,8 +101,10 @@ def bench_run(p, server, keys, points):
     b = launch(p)
     ctx, page = login(b, server)
     figures = []
-    for _ in range(3):
+    for axis in ["step"] * 3 + ["time"] * 3:
         page2 = ctx.new_page()
+        # the x axis is remembered per tab (sessionStorage): set before the page's scripts
+        page2.add_init_script(f"sessionStorage.setItem('gpuplane.xaxis', '{axis}')")
         page2.goto(f"{server.url}/#/runs/{run['id']}")
         page2.wait_for_function("() => window.gpuplane && window.gpuplane.firstChartAt")
         first = page2.evaluate("() => window.gpuplane.firstChartAt")
@@ -112,11 +115,14 @@ def bench_run(p, server, keys, points):
                             " + performance.getEntriesByType('resource').reduce((a, e) => a + e.transferSize, 0)) / 1024")
         api_kb = page2.evaluate("() => performance.getEntriesByType('resource').filter(e => e.name.includes('/metrics/'))"
                                 ".reduce((a, e) => a + e.transferSize, 0) / 1024")
+        time_x = page2.evaluate("() => Object.values(window.gpuplane.charts).every("
+                                "c => !c.u || (c.u.data[0][0] > 1e9) === (c.options.xaxis === 'time'))")
+        assert time_x, f"the charts are not on the {axis} axis"
         figures.append((first, all_ms, kb, api_kb))
         page2.close()
-    for first, all_ms, kb, api_kb in figures:
-        print(f"  dashboard: first chart painted {first:.0f} ms after navigation; all charts "
-              f"{all_ms:.0f} ms; {kb:.0f} KB transferred ({api_kb:.0f} KB of series)")
+    for axis, (first, all_ms, kb, api_kb) in zip(["step"] * 3 + ["wall time"] * 3, figures):
+        print(f"  dashboard ({axis} axis): first chart painted {first:.0f} ms after navigation;"
+              f" all charts {all_ms:.0f} ms; {kb:.0f} KB transferred ({api_kb:.0f} KB of series)")
     naive = page.evaluate("""async ([run, key, points]) => {
       const t = performance.now(); let bytes = 0, n = 0;
       const h = { Authorization: `Bearer ${localStorage.getItem('gpuplane.token')}` };
