@@ -322,6 +322,22 @@ def test_checkpoints_evaluate_recommend_and_the_wall_time_axis(open_page, cluste
                                    " c.u.data[0]] }")
     assert zoom[0] <= 40 and zoom[1] >= 60 and view == [a, b]
     assert xs == times[zoom[0]:zoom[1] + 1]          # raw: one point per step, at its ts
+    # ... and by the mouse: a drag across the chart is a wall-clock zoom, not a step one.
+    page.dblclick("#chart-train_loss .u-over")
+    page.wait_for_function("() => !window.gpuplane.charts['train/loss'].zoom")
+    box = page.locator("#chart-train_loss .u-over").bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.3, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.5, y, steps=5)
+    page.mouse.move(box["x"] + box["width"] * 0.7, y, steps=5)
+    page.mouse.up()
+    page.wait_for_function("() => { const c = window.gpuplane.charts['train/loss'];"
+                           " return c.zoom && c.view && c.u.scales.x.min === c.view[0] }")
+    zoom, view = page.evaluate("() => { const c = window.gpuplane.charts['train/loss'];"
+                               " return [c.zoom, c.view] }")
+    assert times[0] < view[0] < view[1] < times[-1]
+    assert zoom[0] <= times.index(min(t for t in times if t >= view[0]))
     page.reload()
     page.wait_for_function("() => { const c = window.gpuplane.charts['train/loss'];"
                            " return c && c.u && c.u.data[0].length === 100 }")
