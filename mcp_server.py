@@ -111,6 +111,9 @@ class MetricSeriesOut(Out):
     level: int | None = Field(description="bucket width in steps (1 = raw points)")
     points: list[list[float | int | str | None]] = Field(
         description="[[step, min, max, mean, last, count], ...]")
+    ts: list[int | None] = Field(default_factory=list,
+                                 description="ts[i]: when points[i] was logged (its first point), "
+                                             "ms since the epoch")
 
 
 class CheckpointsOut(Out):
@@ -606,7 +609,8 @@ def build_server(gp):
         to_step: Annotated[int | None, Field(description="last step", ge=0)] = None,
     ) -> MetricSeriesOut:
         """A metric's curve downsampled to at most max_points buckets of
-        [step, min, max, mean, last, count]; non-finite values come as "NaN"/"Infinity"."""
+        [step, min, max, mean, last, count]; non-finite values come as "NaN"/"Infinity";
+        ts[i] is when bucket i was logged (ms since the epoch)."""
         return gp.get_metric_series(run_id, key, max_points, from_step, to_step)
 
     @tool

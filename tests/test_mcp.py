@@ -234,6 +234,7 @@ def test_acceptance_loop(live_server, agent, tmp_path):
         series = ok(await call("get_metric_series", run_id=good, key="train/loss",
                                max_points=20))
         assert 0 < len(series["points"]) <= 20
+        assert len(series["ts"]) == len(series["points"]) and series["ts"][0] > 1.7e12
 
         c = ok(await call("compare_runs", run_ids=[good, bad], key="val/loss"))
         assert c["winner"] == good, c
