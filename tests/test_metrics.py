@@ -544,7 +544,8 @@ def test_buckets_written_at_ingest_equal_those_from_raw(client, db):
     # regular layout: every step lists all keys in order, steps 0..99 then 100..249
     post(client, run, keys, [[k, s, 1.0 / (1 + s) + k, TS + s] for s in range(100)
                              for k in range(3)])
-    post(client, run, keys, [[k, s, float("nan") if s % 7 == 0 else s * 0.5 - k, TS + s]
+    post(client, run, keys, [[k, s, float("nan") if s % 7 == 0 else s * 0.5 - k,
+                              TS + 1000 - s]           # a clock that went back
                              for s in range(100, 250) for k in range(3)])
     # irregular: loss every step, acc every 10th, lr once; gaps; infinities
     pts = [[0, s, math.inf if s == 260 else -s, TS + s] for s in range(250, 400, 3)]
