@@ -68,12 +68,16 @@ def ingest(run_id):
                          'step, value, ts], ...]}')
     writable_run(run_id)
     if request.mimetype == metricwire.BINARY_TYPE:
+        # Parsed and made ready (split per key, base buckets) outside the lock: reading
+        # the columns takes no GIL-releasing calls, so it overlaps with another request's
+        # rows going into SQLite (which releases the GIL) instead of queueing behind them.
+        try:
+            keys, cols = metricwire.parse_binary(raw)
+        except metricwire.BadBatch as e:
+            raise BadRequest(str(e)) from None
+        batch = metrics.prepare(len(keys), cols)
         with _ingest_lock:
-            try:
-                keys, cols = metricwire.parse_binary(raw)
-                n = _store().ingest(run_id, keys, cols=cols)
-            except metricwire.BadBatch as e:
-                raise BadRequest(str(e)) from None
+            n = _store().ingest(run_id, keys, batch=batch)
         current_app.config["EVENTS"].offer_points(run_id, keys, cols)
         return _json({"accepted": n})
     with _ingest_lock:

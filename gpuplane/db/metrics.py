@@ -55,16 +55,18 @@ class MetricStore:
         self._keys = {}          # (run_id, key) -> key id
         self._runs = set()
 
-    def ingest(self, run_id, keys, points=None, cols=None):
-        """Parse (or take the columns of a binary batch), then one transaction. Returns
-        the count. Raises metricwire.BadBatch."""
-        if cols is None:
-            cols = parse_batch(keys, points)
-        if not cols[1]:
+    def ingest(self, run_id, keys, points=None, cols=None, batch=None):
+        """Parse (or take the columns of a binary batch, or a batch made ready by
+        prepare()), then one transaction. Returns the count. Raises metricwire.BadBatch."""
+        if batch is None:
+            if cols is None:
+                cols = parse_batch(keys, points)
+            batch = prepare(len(keys), cols)
+        if not batch.n:
             return 0
         with self.db.tx() as conn:
             ids, fresh = resolve_keys(conn, run_id, keys, self._keys)
-            n = insert_points(conn, ids, cols)
+            n = insert_points(conn, ids, batch)
         if fresh:
             if len(self._keys) > self.max_cached_keys:
                 self._keys.clear()
@@ -104,24 +106,47 @@ def resolve_keys(conn, run_id, keys, known=None):
     return [found[k] for k in keys], {(run_id, k): found[k] for k in keys}
 
 
-def insert_points(conn, ids, cols):
-    """Upsert parsed columns; write the base buckets of the keys the batch appends to, and
-    mark the touched step range of each key for the rollup."""
+class Batch:
+    """A parsed batch made ready to store (prepare()): per key index its columns and base
+    buckets, and the flat parameter list of the points, whose key ids insert_points fills
+    in. Made before the write transaction, so a request prepares its batch while another
+    one's rows go in."""
+    __slots__ = ("n", "kidx", "per_key", "aggs", "flat")
+
+
+def prepare(nkeys, cols):
+    """A Batch of parsed columns (kidx, steps, values, ts) of a batch naming nkeys keys."""
     kidx, steps, values, ts = cols
-    n = len(steps)
+    b = Batch()
+    b.n, b.kidx = len(steps), kidx
+    if not b.n:
+        b.per_key, b.aggs, b.flat = {}, {}, []
+        return b
+    b.per_key = _split_by_key(nkeys, kidx, steps, values, ts)
+    b.aggs = {i: agg_batch(*cols_i, BASE) for i, cols_i in b.per_key.items()}
+    b.flat = flat = [None] * (4 * b.n)       # key, step, value, ts, key, step, ...
+    flat[1::4], flat[2::4], flat[3::4] = steps, values, ts
+    return b
+
+
+def insert_points(conn, ids, batch):
+    """Upsert a batch (a Batch, or parsed columns); write the base buckets of the keys the
+    batch appends to, and mark the touched step range of each key for the rollup."""
+    if not isinstance(batch, Batch):
+        batch = prepare(len(ids), batch)
+    n, flat = batch.n, batch.flat
     if not n:
         return 0
-    per_key = _split_by_key(ids, kidx, steps, values, ts)
     # Base buckets of the keys this batch appends to (what each key holds is read for all
     # keys at once: each SQLite call lets other threads take the GIL). The subqueries say
     # ORDER BY ... DESC LIMIT 1, not max(): a correlated max() scans the whole key.
     base, ranges = {}, {}
-    aggs = {key_id: agg_batch(*cols_k, BASE) for key_id, cols_k in per_key.items()}
-    held = _append_state(conn, [key_id for key_id, rows in aggs.items() if rows])
-    for key_id, rows in aggs.items():
+    held = _append_state(conn, [ids[i] for i, rows in batch.aggs.items() if rows])
+    for i, rows in batch.aggs.items():
+        key_id = ids[i]
         if rows is None or rows[0][1] <= held[key_id][0]:
             # not ascending, or replaces or fills in: the rollup recomputes from raw
-            k_steps = per_key[key_id][0]
+            k_steps = batch.per_key[i][0]
             ranges[key_id] = (min(k_steps), max(k_steps), 0)
             continue
         last = held[key_id][1]
@@ -129,9 +154,7 @@ def insert_points(conn, ids, cols):
             rows[0] = _merge_bucket(last, rows[0])
         base[key_id] = rows
         ranges[key_id] = (rows[0][1], rows[-1][2], 1)
-    flat = [None] * (4 * n)                 # key, step, value, ts, key, step, ...
-    flat[0::4] = [ids[0]] * n if len(ids) == 1 else map(ids.__getitem__, kidx)
-    flat[1::4], flat[2::4], flat[3::4] = steps, values, ts
+    flat[0::4] = [ids[0]] * n if len(ids) == 1 else map(ids.__getitem__, batch.kidx)
     width = 4 * ROWS_PER_INSERT
     whole = 4 * (n - n % ROWS_PER_INSERT)
     for i in range(0, whole, width):
@@ -144,17 +167,18 @@ def insert_points(conn, ids, cols):
         write_buckets(conn, key_id, BASE, bucket_rows)
     conn.executemany("INSERT INTO metric_dirty (key_id, lo, hi, base) VALUES (?, ?, ?, ?)",
                      [(key_id, *r) for key_id, r in ranges.items()])
-    return len(steps)
+    return n
 
 
-def _split_by_key(ids, kidx, steps, values, ts):
-    """{key_id: (steps, values, ts)} of a batch, each in the batch's order. Slices (C
-    speed) when every point of a step lists the keys in order, as the SDK sends them."""
-    if len(ids) == 1:
-        return {ids[0]: (steps, values, ts)}
-    n, k = len(steps), len(ids)
+def _split_by_key(k, kidx, steps, values, ts):
+    """{key index: (steps, values, ts)} of a batch naming k keys, each in the batch's
+    order. Slices (C speed) when every point of a step lists the keys in order, as the SDK
+    sends them."""
+    if k == 1:
+        return {0: (steps, values, ts)}
+    n = len(steps)
     if n % k == 0 and list(kidx[:k]) == list(range(k)) and kidx[k:] == kidx[:-k]:
-        return {ids[i]: (steps[i::k], values[i::k], ts[i::k]) for i in range(k)}
+        return {i: (steps[i::k], values[i::k], ts[i::k]) for i in range(k)}
     where = {}
     for i, key in enumerate(kidx):
         where.setdefault(key, []).append(i)
@@ -162,10 +186,10 @@ def _split_by_key(ids, kidx, steps, values, ts):
     for key, idx in where.items():
         if len(idx) == 1:
             i = idx[0]
-            out[ids[key]] = ((steps[i],), (values[i],), (ts[i],))
+            out[key] = ((steps[i],), (values[i],), (ts[i],))
         else:
             pick = itemgetter(*idx)
-            out[ids[key]] = (pick(steps), pick(values), pick(ts))
+            out[key] = (pick(steps), pick(values), pick(ts))
     return out
 
 
