@@ -60,6 +60,14 @@ def route_url(rule, run_id=1, job_id=1, path="k0", name=None):
     return re.sub(r"<[a-z_]+>", path if name is None else name, url)
 
 
+def sigint_as_at_a_terminal():
+    """preexec_fn for a child a test stops with SIGINT, as Ctrl-C would: a test run started
+    in the background by a non-interactive shell (CI scripts, `make test &`) has SIGINT
+    ignored, the child would inherit that, and Python would then never raise
+    KeyboardInterrupt in it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _clean_env(home):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
     env["GPUCTL_HOME"] = str(home)

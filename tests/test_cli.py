@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from procs import free_port, wait_for
+from procs import free_port, sigint_as_at_a_terminal, wait_for
 
 from gpuplane import cli, client, config
 
@@ -692,7 +692,8 @@ def test_up_on_another_port_than_server_toml_hands_jobs_the_real_address(tmp_pat
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port", str(port),
-             "--name", "portnode"], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+             "--name", "portnode"], env=_env(), stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=sigint_as_at_a_terminal)
     try:
         _wait("`up` to be ready", lambda: proc.poll() is not None
               or "Press Ctrl-C" in out_path.read_text(), 60)

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from procs import ROOT, free_port, wait_for
+from procs import ROOT, free_port, sigint_as_at_a_terminal, wait_for
 
 DOC_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 MARK = re.compile(r"^<!--\s*docs-test:\s*(?P<kind>[a-z-]+)\s*(?:\((?P<why>.*)\))?\s*-->\s*$")
@@ -111,7 +111,8 @@ class Up:
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=sigint_as_at_a_terminal)
 
     def wait_ready(self):
         wait_for(lambda: self.proc.poll() is not None or "Press Ctrl-C" in self.text(), 120,
