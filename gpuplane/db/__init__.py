@@ -556,28 +556,22 @@ class Database:
         return self.write_error
 
     def query(self, sql, params=()):
-        held = getattr(self._local, "conn", None)
-        if held is not None:
-            return held.execute(sql, params).fetchall()
-        conn = self._checkout()
-        failed = True
-        try:
-            rows = conn.execute(sql, params).fetchall()
-            failed = False
-            return rows
-        finally:
-            self._checkin(conn, failed)
+        return self._read(sql, params, "fetchall")
 
     def query_one(self, sql, params=()):
+        return self._read(sql, params, "fetchone")
+
+    def _read(self, sql, params, fetch):
+        """One statement on the connection this thread holds, or on a reader lent for it."""
         held = getattr(self._local, "conn", None)
         if held is not None:
-            return held.execute(sql, params).fetchone()
+            return getattr(held.execute(sql, params), fetch)()
         conn = self._checkout()
         failed = True
         try:
-            row = conn.execute(sql, params).fetchone()
+            result = getattr(conn.execute(sql, params), fetch)()
             failed = False
-            return row
+            return result
         finally:
             self._checkin(conn, failed)
 
