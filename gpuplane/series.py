@@ -5,7 +5,6 @@ points after it, at the coarsest level that still gives enough buckets, so a que
 lags the ingest and costs about the same whatever the run's length. The SQL is in
 gpuplane/db/metrics.py; the judgements (direction, trend) in gpuplane/semantic.py.
 """
-import operator
 
 from . import semantic
 from .db import metrics as store
@@ -76,28 +75,8 @@ def _rows_at(conn, key_id, w, lo, hi, rolled, top):
         pieces += store.level_rows(conn, key_id, w2, max(covered, lo) // w2, min(hi // w2, c2 - 1))
         covered = max(covered, c2 * w2)
     pieces += store.agg_raw(conn, key_id, w, max(lo, covered), hi)
-    for r in pieces:
-        r = (r[1] // w, *r[1:])
-        if rows and rows[-1][0] == r[0]:
-            rows[-1] = _fold(rows[-1], r)
-        else:
-            rows.append(r)
-    return rows
-
-
-def _fold(a, b):
-    """Two rollup-shaped rows (a before b) as one."""
-    return (a[0], a[1], b[2], _pick(min, a[3], b[3]), _pick(max, a[4], b[4]),
-            _pick(operator.add, a[5], b[5]), a[6] + b[6], a[7] + b[7], b[8],
-            _pick(min, a[9], b[9]))
-
-
-def _pick(fn, x, y):
-    if x is None:
-        return y
-    if y is None:
-        return x
-    return fn(x, y)
+    # the pieces start past the last whole bucket of level w
+    return rows + _fold_to(pieces, w)
 
 
 def _merge(rows, w, max_points):
@@ -113,7 +92,7 @@ def _merge(rows, w, max_points):
     for r in rows:
         r = (r[0] // f, *r[1:])
         if merged and merged[-1][0] == r[0]:
-            merged[-1] = _fold(merged[-1], r)
+            merged[-1] = store.merge_rows(merged[-1], r)
         else:
             merged.append(r)
     return w * f, [(fs, mn, mx, _mean(sm, nv), last, n, ts)
@@ -232,7 +211,7 @@ def _fold_to(rows, w):
     for r in rows:
         r = (r[1] // w, *r[1:])
         if out and out[-1][0] == r[0]:
-            out[-1] = _fold(out[-1], r)
+            out[-1] = store.merge_rows(out[-1], r)
         else:
             out.append(r)
     return out

@@ -588,3 +588,16 @@ def test_agg_batch_matches_sql_on_nan_and_infinities():
     assert by_bucket[5][3] is None and by_bucket[5][5] is None
     assert metrics.agg_batch([3, 2], [1.0, 1.0], [TS, TS], 16) is None
     assert metrics.agg_batch([3, 3], [1.0, 1.0], [TS, TS], 16) is None
+
+
+def test_merge_rows_keeps_a_nan_sum_nan():
+    """Rows (bucket, first, last, min, max, sum, count, vcount, last, first_ts): a NULL
+    sum over values that are not all NaN is inf - inf, and folding it with another
+    bucket must not lose that; a NULL sum over only NaN is no sum at all."""
+    nan_sum = (0, 0, 15, -math.inf, math.inf, None, 16, 11, 1.0, TS + 3)
+    plain = (0, 16, 31, 1.0, 2.0, 24.0, 16, 16, 2.0, TS)
+    only_nan = (0, 32, 40, None, None, None, 9, 0, None, TS + 40)
+    m = metrics.merge_rows(nan_sum, plain)
+    assert m[:5] == (0, 0, 31, -math.inf, math.inf) and math.isnan(m[5])
+    assert m[6:] == (32, 27, 2.0, TS)
+    assert metrics.merge_rows(plain, only_nan)[3:8] == (1.0, 2.0, 24.0, 25, 16)

@@ -21,7 +21,7 @@ import math
 import sqlite3
 from bisect import bisect_left
 from itertools import islice, repeat
-from operator import floordiv, itemgetter, lt, sub
+from operator import add, floordiv, itemgetter, lt, sub
 
 from ..metricwire import parse_batch
 
@@ -151,7 +151,7 @@ def insert_points(conn, ids, batch):
             continue
         last = held[key_id][1]
         if last is not None and last[0] == rows[0][0]:
-            rows[0] = _merge_bucket(last, rows[0])
+            rows[0] = merge_rows(last, rows[0])
         base[key_id] = rows
         ranges[key_id] = (rows[0][1], rows[-1][2], 1)
     flat[0::4] = [ids[0]] * n if len(ids) == 1 else map(ids.__getitem__, batch.kidx)
@@ -261,15 +261,18 @@ def _append_state(conn, key_ids):
     return {k: (held.get(k, -1), last.get(k)) for k in key_ids}
 
 
-def _merge_bucket(old, new):
-    """A base bucket whose points so far are `old` and which `new` (later steps) extends."""
-    def pick(f, a, b):
-        return b if a is None else a if b is None else f(a, b)
-    # a NULL sum over values that are not all NaN is a NaN sum (inf - inf): it stays NaN
-    old_sum = old[5] if old[5] is not None or not old[7] else math.nan
-    return (new[0], old[1], new[2], pick(min, old[3], new[3]), pick(max, old[4], new[4]),
-            pick(lambda a, b: a + b, old_sum, new[5]), old[6] + new[6], old[7] + new[7],
-            new[8], pick(min, old[9], new[9]))
+def merge_rows(a, b):
+    """Two rows in the rollup shape, a's steps before b's, as one (a's bucket). A NULL sum
+    over values that are not all NaN is a NaN sum (inf - inf, which SQLite stores as NULL):
+    it stays NaN."""
+    sa = a[5] if a[5] is not None or not a[7] else math.nan
+    sb = b[5] if b[5] is not None or not b[7] else math.nan
+    return (a[0], a[1], b[2], _pick(min, a[3], b[3]), _pick(max, a[4], b[4]),
+            _pick(add, sa, sb), a[6] + b[6], a[7] + b[7], b[8], _pick(min, a[9], b[9]))
+
+
+def _pick(fn, x, y):
+    return y if x is None else x if y is None else fn(x, y)
 
 
 def ingest(conn, run_id, keys, points):
