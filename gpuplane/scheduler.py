@@ -12,7 +12,7 @@ gateway's) says whether a node's agent holds a connection in this process right 
 """
 import logging
 
-from .db import jobs, nodes, now_ms
+from .db import jobs, loads, nodes, now_ms
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -36,21 +36,27 @@ class Scheduler(Worker):
         super().start()
 
     def tick(self):
-        self.expire_lost_nodes()
-        self.schedule()
+        all_nodes = nodes.list_nodes(self.db)
+        if self.expire_lost_nodes(all_nodes):
+            all_nodes = nodes.list_nodes(self.db)
+        self.schedule(all_nodes)
 
-    def expire_lost_nodes(self):
+    def expire_lost_nodes(self, all_nodes=None):
+        """-> True when a node was declared lost."""
         grace_s = self.cfg.node_grace_s
         cutoff = now_ms() - grace_s * 1000
-        for node in nodes.list_nodes(self.db):
+        lost = False
+        for node in nodes.list_nodes(self.db) if all_nodes is None else all_nodes:
             if node["state"] != "disconnected" or (node["disconnected_at"] or 0) > cutoff:
                 continue
             self.lifecycle.node_lost(node["name"], grace_s)
+            lost = True
+        return lost
 
-    def free_slots(self):
+    def free_slots(self, all_nodes=None):
         """{node: (free gpu indices, free cpu slots)} for connected, reconciled nodes."""
         free = {}
-        all_nodes = nodes.list_nodes(self.db)
+        all_nodes = nodes.list_nodes(self.db) if all_nodes is None else all_nodes
         active = jobs.active(self.db)
         for n in all_nodes:
             if n["state"] != "connected" or not n["synced"] or not self.is_connected(n["name"]):
@@ -64,22 +70,33 @@ class Scheduler(Worker):
             free[n["name"]] = (sorted(gpus), cpu)
         return free, all_nodes
 
-    def schedule(self):
+    def schedule(self, all_nodes=None):
         queue = jobs.placement_queue(self.db)
         if not queue:
             return
-        free, all_nodes = self.free_slots()
+        free, all_nodes = self.free_slots(all_nodes)
+        reasons = {}        # job id -> a new pending_reason, written at the end in one go
+        why = {}            # (gpus, cpu_only) -> why a job of that shape waits
+        most_gpus, cpu_room = self._room(free)
         for job in queue:
+            cpu_only = bool(job["cpu_only"])
+            plain = not job["held"] and job["depends_on"] in (None, "[]")
+            # A job that waits only for a slot, of a shape that cannot fit anywhere now,
+            # needs no more than its reason: most of a long queue, at every pass.
+            if plain and (not cpu_room if cpu_only else job["gpus"] > most_gpus):
+                self._say(reasons, job, self._why(why, job, all_nodes))
+                continue
+            job = {"id": job["id"], "gpus": job["gpus"], "cpu_only": cpu_only,
+                   "held": bool(job["held"]), "depends_on": loads(job["depends_on"], []),
+                   "depends_any": bool(job["depends_any"]),
+                   "pending_reason": job["pending_reason"]}
             blocked = self._blocked(job)
             if blocked:
-                if blocked != job["pending_reason"]:
-                    jobs.set_pending_reason(self.db, job["id"], blocked)
+                self._say(reasons, job, blocked)
                 continue
             node, gpu_indices = self._place(job, free)
             if node is None:
-                reason = self._why_waiting(job, all_nodes)
-                if reason != job["pending_reason"]:
-                    jobs.set_pending_reason(self.db, job["id"], reason)
+                self._say(reasons, job, self._why(why, job, all_nodes))
                 continue
             assigned = self.lifecycle.assign(job["id"], node, gpu_indices)
             if assigned is None:
@@ -87,8 +104,29 @@ class Scheduler(Worker):
             gpus_left, cpu_left = free[node]
             free[node] = ([i for i in gpus_left if i not in gpu_indices],
                           cpu_left - (1 if job["cpu_only"] else 0))
+            most_gpus, cpu_room = self._room(free)
             log.info("job %d attempt %d → %s %s", job["id"], assigned["attempt"], node,
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
+        if reasons:
+            jobs.set_pending_reasons(self.db, reasons)
+
+    @staticmethod
+    def _room(free):
+        """(most free GPUs on one node, whether any node has a free CPU slot)"""
+        return (max((len(g) for g, _ in free.values()), default=0),
+                any(cpu > 0 for _, cpu in free.values()))
+
+    @staticmethod
+    def _say(reasons, job, reason):
+        if reason != job["pending_reason"]:
+            reasons[job["id"]] = reason
+
+    def _why(self, cache, job, all_nodes):
+        shape = (job["gpus"], bool(job["cpu_only"]))
+        if shape not in cache:
+            cache[shape] = self._why_waiting({"gpus": shape[0], "cpu_only": shape[1]},
+                                             all_nodes)
+        return cache[shape]
 
     def _blocked(self, job):
         """Why a queued job may not start whatever the slots: held, or a dependency not

@@ -113,3 +113,26 @@ def test_a_node_gone_past_grace_has_its_jobs_declared_lost(world):
     sched.expire_lost_nodes()
     after = jobs.get(db, j["id"])
     assert after["state"] == "QUEUED" and after["failure_kind"] == "NODE_LOST"
+
+
+def test_a_full_node_still_gets_every_queued_job_its_reason(world):
+    """With no slot free, the jobs that wait only for a slot get their reason without
+    being placed one by one; a held job and one whose dependency failed, deep in the
+    queue, are still looked at: the one is held, the other fails."""
+    db, lc, sched, agents, _ = world
+    running = [lc.submit(spec(f"r{i}")) for i in range(2)]
+    sched.tick()
+    assert len(agents.started) == 2
+    doomed = lc.submit(spec("doomed"))
+    lc.cancel(doomed["id"])
+    waiting = [lc.submit(spec(f"w{i}", gpus=1 + i % 2)) for i in range(30)]
+    held = lc.submit(dict(spec("held"), held=True))
+    child = lc.submit(dict(spec("child"), depends_on=[doomed["id"]]))
+    cpu = lc.submit(spec("cpu", gpus=0))
+    sched.tick()
+    for w in waiting:
+        assert jobs.get(db, w["id"])["pending_reason"] == (
+            f"waiting for {w['gpus']} free GPU{'s' if w['gpus'] > 1 else ''} on one node")
+    assert jobs.get(db, held["id"])["pending_reason"].startswith("held;")
+    assert jobs.get(db, child["id"])["state"] == "FAILED"
+    assert [a[0] for a in agents.started] == [r["id"] for r in running] + [cpu["id"]]

@@ -55,15 +55,13 @@ def queued(db):
 
 
 def placement_queue(db):
-    """queued() with only what placement reads (id, gpus, cpu_only, held, dependencies,
-    pending_reason): the scheduler reads the whole queue at every pass, and decoding
-    each job's command and env made a long queue's drain quadratic in JSON."""
-    return [{"id": r["id"], "gpus": r["gpus"], "cpu_only": bool(r["cpu_only"]),
-             "held": bool(r["held"]), "depends_on": loads(r["depends_on"], []),
-             "depends_any": bool(r["depends_any"]), "pending_reason": r["pending_reason"]}
-            for r in db.query(
-                "SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason "
-                "FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")]
+    """The queue in placement order, as rows with only what placement reads (id, gpus,
+    cpu_only, held, depends_on as stored JSON text, depends_any, pending_reason), nothing
+    decoded: the scheduler reads the whole queue at every pass, and building a dict per
+    job made a long queue's drain quadratic."""
+    return db.query(
+        "SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason "
+        "FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")
 
 
 def active(db, node=None):
@@ -75,11 +73,11 @@ def active(db, node=None):
     return [to_dict(r) for r in rows]
 
 
-def set_pending_reason(db, job_id, reason):
-    """Why a queued job waits: a note for people, not a state change."""
+def set_pending_reasons(db, reasons):
+    """Why queued jobs wait ({job id: reason}): a note for people, not a state change."""
     with db.tx() as c:
-        c.execute("UPDATE jobs SET pending_reason = ? WHERE id = ? AND state = 'QUEUED'",
-                  (reason, job_id))
+        c.executemany("UPDATE jobs SET pending_reason = ? WHERE id = ? AND state = 'QUEUED'",
+                      [(reason, job_id) for job_id, reason in reasons.items()])
 
 
 # -- state changes (inside the caller's transaction; called by gpuplane/lifecycle.py) --
