@@ -42,6 +42,8 @@ COMPACT_BYTES = 8 * 1024 * 1024     # acked bytes at the spool's head worth a re
 ACK_TIMEOUT_S = 15.0
 KILL_GRACE_S = 5.0
 LAUNCH_GRACE_S = 10.0             # a half-made attempt dir younger than this may still launch
+FORK_REPLY_TIMEOUT_S = 10.0       # the fork server answers a launch with the shim's pid
+FORK_RECORD_MAX = 64 * 1024       # a bigger exec record goes through spec.json
 SDK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk")
 
 OOM_PATTERNS = re.compile(
@@ -490,7 +492,7 @@ class Outbox:
             # Rewriting costs the pending bytes: do it when the acked head of the file is
             # at least as big (amortised), so the file stays under twice what is pending.
             if not self._offs:
-                self._rewrite()
+                self._empty()
             else:
                 head = self._offs[0]
                 tail = self._spool.tell() - head
@@ -514,6 +516,18 @@ class Outbox:
             write_json_atomic(self.state_path, {
                 "epoch": self.epoch, "next_seq": self.next_seq, "acked": self.acked,
                 "snapshot_seq": self.last_seq, "attempts": self.attempts}, private=True)
+
+    def _empty(self):
+        """Everything is acked: state.json (its snapshot covers the spool), then truncate
+        the spool in place. The truncation need not be durable: lines that come back after
+        a crash are at or below state.json's `acked`, and loading skips them."""
+        self.save_state()
+        self._spool.truncate(0)
+        self._spool.seek(0, os.SEEK_END)
+        self._reader.close()        # its buffer may hold the old bytes
+        self._reader = open(self.spool_path, "rb")
+        self._dropped_lines = 0
+        self.last_job_seq = 0
 
     def _rewrite(self, renumber=False, keep_after=None):
         """Compact: state.json first (so its snapshot covers what the spool drops), then
@@ -739,7 +753,7 @@ class Attempt:
         self.watch_dir = start.get("watch_dir")
         self.container = spec.get("container")   # a container's name, for image jobs
         self.container_stop_sent = False
-        self.popen = None                 # the shim, when this agent process launched it
+        self.watched = False              # this agent process launched it: a waiter watches
         self.shim_gone = False            # our waiter saw the shim exit
         self.pid_info = None
         self.running_reported = False
@@ -793,94 +807,120 @@ class Attempt:
 
 class Launcher:
     """Starts an attempt's shim and stops its process tree (SIGTERM to the group, SIGKILL
-    to it and every descendant seen once the grace period is over)."""
+    to it and every descendant seen once the grace period is over).
 
-    def __init__(self, shim_argv, kill_grace_s, wake, err_path=os.devnull):
-        self.shim_argv = shim_argv
+    Shims are forked by a fork server: one warm `python -I -S` interpreter, started with
+    the runner, that forks a shim for each attempt. A fork costs about a millisecond of
+    CPU where a new interpreter costs 15 to 20; on a host draining short jobs that CPU is
+    the jobs'. The server runs in a session of its own, and so does every shim it forks:
+    they outlive the agent, and the server ends when the agent closes its socket."""
+
+    def __init__(self, kill_grace_s, wake, err_path=os.devnull):
         self.kill_grace_s = kill_grace_s
         self.wake = wake
         self.err_path = err_path
-        self._spare = None          # (Popen, create time) of a shim waiting for a dir
-        self.spare_due = 0.0        # when to start the next spare (monotonic)
+        self._forker = None         # (Popen, socket) of the fork server
 
-    def _spawn(self):
-        with open(self.err_path, "ab", opener=_private_opener) as err:
-            p = subprocess.Popen(self.shim_argv + ["-"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=err,
+    def warm(self):
+        """Start the fork server if it is not running (the runner calls this at start, so
+        the first job does not wait for an interpreter)."""
+        if self._forker is not None and self._forker[0].poll() is None:
+            return self._forker
+        self._forker_down()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs, open(self.err_path, "ab", opener=_private_opener) as err:
+            p = subprocess.Popen(fork_server_command(), stdin=theirs,
+                                 stdout=subprocess.DEVNULL, stderr=err,
                                  start_new_session=True, close_fds=True,
                                  env=shim_environment())
+        ours.settimeout(FORK_REPLY_TIMEOUT_S)
+        self._forker = (p, ours)
+        return self._forker
+
+    def _forker_down(self, kill=False):
+        forker, self._forker = self._forker, None
+        if forker is None:
+            return
+        p, sock = forker
+        sock.close()                # it reads EOF and ends; the shims it forked run on
         try:
-            ct = psutil.Process(p.pid).create_time()
-        except psutil.NoSuchProcess:
-            ct = None
-        return p, ct
+            if kill:
+                p.kill()
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
     def launch(self, att, exec_record):
-        # A spare shim started after the previous launch has its interpreter up already:
-        # handing it the dir and the exec record takes a pipe write instead of a Python
-        # start (marshal: the shim reads it without importing json).
-        spare, self._spare = self._spare, None
-        if spare is None or spare[0].poll() is not None:
-            spare = self._spawn()
-        for attempt in (1, 2):
-            att.popen, ct = spare
-            write_json_atomic(att.file("launch.json"), {"shim_pid": att.popen.pid,
-                                                        "shim_create_time": ct})
-            try:
-                att.popen.stdin.write(os.fsencode(att.dir) + b"\n"
-                                      + marshal.dumps(exec_record))
-                att.popen.stdin.close()
-                break
-            except OSError:
-                if attempt == 2:
-                    raise       # the attempt ends LOST: no shim, no exit status
-                spare = self._spawn()       # the spare died just now
-        # the next spare starts from the runner loop (keep_spare), SPARE_DELAY_S later
-        self.spare_due = time.monotonic() + SPARE_DELAY_S
-        # The shim writes one line once the command runs and closes the pipe when it
-        # exits: both wake the runner, so nothing here polls for a start or an exit.
-        threading.Thread(target=self._wait, args=(att,), daemon=True,
-                         name=f"gpuplane-agent-wait-{att.key}").start()
-        log.info("job %s attempt %s: launched shim pid %d", att.job_id, att.attempt,
-                 att.popen.pid)
-
-    def _wait(self, att):
+        """Have the fork server fork the attempt's shim, with its exec record (marshal:
+        cheaper to load than spec.json; a record too big for one message stays in
+        spec.json, where the shim reads it). The shim holds the write end of a pipe until
+        it exits: a line when the command runs and EOF when the shim is gone both wake the
+        runner, so nothing polls for a start or an exit."""
+        packed = marshal.dumps(exec_record)
+        request = os.fsencode(att.dir) + b"\0" + (packed if len(packed) <= FORK_RECORD_MAX
+                                                  else b"")
+        r, w = os.pipe()
         try:
-            out = att.popen.stdout
-            while out.readline():
-                self.wake()
-            out.close()
-            att.popen.wait()
+            for attempt in (1, 2):
+                p, sock = self.warm()
+                try:
+                    socket.send_fds(sock, [request], [w])
+                    break
+                except OSError:
+                    # not delivered: the server died since the last launch; once more
+                    # with a new one, then the attempt ends LOST (no shim, no exit status)
+                    self._forker_down(kill=True)
+                    if attempt == 2:
+                        os.close(r)
+                        raise
+        finally:
+            os.close(w)
+        # From here the pipe tells: if no shim was forked, the server's copy of the write
+        # end closes (at once after a refused fork, or when it dies) and the waiter sees EOF.
+        att.watched = True
+        threading.Thread(target=self._wait, args=(att, r), daemon=True,
+                         name=f"gpuplane-agent-wait-{att.key}").start()
+        try:
+            reply = sock.recv(4096).decode("utf-8", "replace")
+        except OSError as e:
+            reply = f"no reply from the fork server ({e})"
+        if reply.isdigit():
+            log.info("job %s attempt %s: launched shim pid %s", att.job_id, att.attempt, reply)
+            return
+        if not reply:
+            reply = "the fork server ended before it replied"
+        log.error("job %s attempt %s: shim not started: %s", att.job_id, att.attempt, reply)
+        if reply.startswith("fork failed"):
+            # the server is fine and no shim exists: the attempt failed to dispatch
+            if read_json(att.file("exit")) is None:
+                write_json_atomic(att.file("exit"), {
+                    "exit_code": None, "signal": None, "ended_at": now_ms(),
+                    "failure_kind": "DISPATCH_FAILED",
+                    "message": f"the job's shim could not be started: {reply}"})
+        else:
+            self._forker_down(kill=True)    # its copy of the pipe closes with it
+
+    def _wait(self, att, fd):
+        try:
+            with open(fd, "rb", buffering=0) as pipe:
+                while pipe.readline():
+                    self.wake()
         finally:
             att.shim_gone = True
             self.wake()
 
-    def keep_spare(self, now):
-        """Start a spare shim when due. -> monotonic time of the next check (or None)."""
-        if self._spare is not None and self._spare[0].poll() is None:
-            return None
-        if now < self.spare_due:
-            return self.spare_due
-        self._spare = self._spawn()
-        return None
-
     def close(self):
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            try:
-                spare[0].stdin.close()     # it reads EOF and ends
-                spare[0].stdout.close()
-                spare[0].wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                spare[0].kill()
+        self._forker_down()
 
     def shim_alive(self, att):
-        if att.popen is not None:
-            return not att.shim_gone and att.popen.poll() is None
+        if att.watched:
+            return not att.shim_gone
         info = att.pid() or read_json(att.file("launch.json"))
         if info and info.get("shim_pid"):
             return proc_alive(info["shim_pid"], info.get("shim_create_time"))
-        # no launch record: a crash between mkdir and launch, or a launch right now
+        # no pid file yet: a crash between mkdir and launch, or a launch right now
+        # (launch.json: written by agents before the fork server)
         try:
             age = time.time() - os.stat(att.dir).st_mtime
         except OSError:
@@ -1390,7 +1430,6 @@ LOG_POLL_MIN_S = 0.05         # a busy log is read this often ...
 LOG_POLL_MAX_S = 1.0          # ... a quiet one backs off to this
 ADOPTED_CHECK_S = 1.0         # liveness of jobs we did not launch (no waiter): polled
 IDLE_WAKE_S = 30.0            # nothing running: wake this often anyway (retention, ...)
-SPARE_DELAY_S = 0.0           # after a launch, the next spare starts at once (measured: later is worse)
 LOG_READ_BYTES = 4 * 1024 * 1024
 BACKLOG_MAX_BYTES = 32 * 1024 * 1024   # per attempt: unacked log + metric bytes in the spool
 
@@ -1492,6 +1531,9 @@ class Reporter:
         self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
                                                   "record": rec})
         write_json_atomic(att.file("reported"), rec)
+        # the marker now says how it ended (adopt reads it): state.json need not carry this
+        # attempt, so its size stays that of the attempts still running
+        self.outbox.forget(att.key)
         att.final = True
         return rec
 
@@ -1508,7 +1550,7 @@ class Runner(Worker):
     name = "gpuplane-agent-runner"
 
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
-                 hook_interval_s=2.0, shim_argv=None, secrets=(),
+                 hook_interval_s=2.0, secrets=(),
                  backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=14.0,
                  ckpt_interval_s=CKPT_INTERVAL_S, docker=None):
         super().__init__()
@@ -1523,7 +1565,7 @@ class Runner(Worker):
         self.secrets = tuple(s for s in secrets if s)
         self.retention_days = retention_days
         self._wake = threading.Event()
-        self.launcher = Launcher(shim_argv or shim_command(), kill_grace_s, self._wake.set,
+        self.launcher = Launcher(kill_grace_s, self._wake.set,
                                  os.path.join(self.jobs_dir, "shim.err"))
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
@@ -1621,6 +1663,10 @@ class Runner(Worker):
     # -- the loop (runner thread) ----------------------------------------------------------
 
     def run(self):
+        try:
+            self.launcher.warm()
+        except OSError as e:        # the first launch tries again
+            log.error("cannot start the fork server for shims: %s", e)
         while not self._stop.is_set():
             try:
                 timeout = self.tick()
@@ -1645,9 +1691,6 @@ class Runner(Worker):
                 self.active.pop(key, None)
             self._run_commands()        # a start never waits behind another job's backlog
         self._publish()
-        spare = self.launcher.keep_spare(time.monotonic())
-        if spare is not None:
-            due = min(due, spare)
         if now >= self._next_retention:
             self._next_retention = now + 3600
             self.remove_old_attempts()
@@ -1813,7 +1856,7 @@ class Runner(Worker):
         # adopted one (from before a restart) is polled.
         att.poll_s = LOG_POLL_MIN_S if busy else min(LOG_POLL_MAX_S, att.poll_s * 2)
         due = now + att.poll_s
-        if att.popen is None:
+        if not att.watched:
             due = min(due, now + ADOPTED_CHECK_S)
         if att.run_id is not None and (att.tb_dir or att.working_dir or att.watch_dir):
             due = min(due, max(att.next_hook, now + LOG_POLL_MIN_S))
@@ -1874,8 +1917,6 @@ class Runner(Worker):
         else:
             kind, message = classify_exit(exit_info, att.file("log"), cancel)
         rec = self.reporter.final(att, kind, message, exit_info)
-        if att.popen is not None:
-            att.popen.poll()
         log.info("job %s attempt %s exited: code %s signal %s failure %s", att.job_id,
                  att.attempt, rec["exit_code"], rec["signal"], kind)
 
@@ -1908,16 +1949,14 @@ class Runner(Worker):
 # the shim: its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
 
-# The shim runs as `python -I -S -c SHIM_SOURCE DIR` and does not import this file: only
-# modules built into the interpreter (no json, whose decoder pulls in re and enum, no
-# signal, which imports enum, and no subprocess), so its start costs about a third of a plain `python -c pass`: on a host
-# draining short jobs that CPU is the job's. The same text defines shim_main in this module,
-# so there is one copy of it. It starts with an environment of its own
-# (shim_environment); the job's exec record comes through its stdin (a spare shim) or
-# from spec.json (`shim_command() + [DIR]`, which imports json).
+# Shims are forked by the agent's fork server (`fork_server_command`, see Launcher); one
+# can also run alone as `python -I -S -c SHIM_SOURCE DIR` (`shim_command`, or `agent.py
+# _shim DIR`). Neither imports this file: the same text defines shim_main in this module, so
+# there is one copy of it. The server starts with an environment of its own
+# (shim_environment), so a job cannot read the agent's through /proc/PID/environ; the job's
+# environment and command come from the attempt's spec.json.
 SHIM_SOURCE = r"""
-# _signal, not signal: signal imports enum, which costs as much as the rest of the start
-import _signal as signal, marshal, os, sys, time
+import json, marshal, os, signal, sys, time
 
 
 def _shim_write(path, text, mode=0o600):
@@ -1931,27 +1970,22 @@ def _shim_write(path, text, mode=0o600):
     os.replace(tmp, path)
 
 
-def _shim_json(record):
-    # json.dumps of a flat record (str, int, float, bool or None values)
-    def value(v):
-        if v is None or v is True or v is False:
-            return {None: "null", True: "true", False: "false"}[v]
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return '"' + "".join(
-            c if " " <= c and c not in '"\\' and not "\ud800" <= c <= "\udfff"
-            else "\\u%04x" % ord(c) for c in str(v)) + '"'
-    return "{" + ", ".join(f"{value(k)}: {value(v)}" for k, v in record.items()) + "}"
+_btime = []        # the boot time, read once (the fork server reads it for its shims)
 
 
 def _shim_ctime(pid):
     # psutil's create_time on Linux (boot time + start ticks), without importing psutil
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
+        if not _btime:
+            with open("/proc/stat") as f:
+                _btime.append(next(int(line.split()[1]) for line in f
+                                   if line.startswith("btime")))
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        try:
+            ticks = int(os.read(fd, 4096).rsplit(b")", 1)[1].split()[19])
+        finally:
+            os.close(fd)
+        return _btime[0] + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         try:
             import psutil
@@ -1960,27 +1994,20 @@ def _shim_ctime(pid):
             return None
 
 
-def shim_main(path):
+def shim_main(path, packed=None):
+    # Run the attempt in `path`: spawn its command, wait for it, write `exit`. The exec
+    # record comes marshalled from the fork server, or from spec.json. Its fd 1 is the
+    # agent's waiter: a line once the command runs.
     # the agent may restart or its terminal may close; the shim must not notice (the job
     # gets the default dispositions back: it runs in a session of its own)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    packed = None
-    if path == "-":
-        # a spare shim, started ahead of time: the agent hands it an attempt dir and the
-        # exec record (marshal), or closes the pipe (stopping, or gone) and it ends
-        # without a trace
-        path, _, packed = sys.stdin.buffer.read().partition(b"\n")
-        if not path:
-            return 0
-        path = os.fsdecode(path)
     now_ms = lambda: int(time.time() * 1000)
     log_fd = os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def end(record):
-        _shim_write(os.path.join(path, "exit"),
-                    _shim_json({"exit_code": None, "signal": None, "ended_at": now_ms(),
-                                **record}))
+        _shim_write(os.path.join(path, "exit"), json.dumps(
+            {"exit_code": None, "signal": None, "ended_at": now_ms(), **record}))
 
     def fail(msg):
         os.write(log_fd, f"gpuplane: {msg}\n".encode("utf-8", "backslashreplace"))
@@ -1991,7 +2018,6 @@ def shim_main(path):
         if packed:
             ex = marshal.loads(packed)
         else:
-            import json
             with open(os.path.join(path, "spec.json")) as f:
                 ex = json.load(f)["exec"]
         argv, exe, cwd, env = ex["argv"], ex["executable"], ex["cwd"], ex["env"]
@@ -2009,24 +2035,86 @@ def shim_main(path):
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, log_fd, 1),
             (os.POSIX_SPAWN_DUP2, log_fd, 2)],
-            setsigdef=(signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ))
+            setsigdef=(signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ,
+                       signal.SIGCHLD))
     except OSError as e:
         return fail(f"cannot execute {argv[0]!r}: {e.strerror or e}")
     except (ValueError, TypeError) as e:     # a NUL byte in argv or env, and the like
         return fail(f"cannot execute {str(argv[0])[:200]!r}: {e}; "
                     "fix the job's command or env")
-    _shim_write(os.path.join(path, "pid"), _shim_json({
+    _shim_write(os.path.join(path, "pid"), json.dumps({
         "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": os.getpid(),
         "shim_create_time": _shim_ctime(os.getpid())}))
     try:      # wakes the agent's waiter; an agent that is gone is no reason to stop
-        sys.stdout.write("started\n")
-        sys.stdout.flush()
-    except (OSError, ValueError):
+        os.write(1, b"started\n")
+    except OSError:
         pass
     rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     os.close(log_fd)
     end({"exit_code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None})
     return 0
+
+
+def fork_server():
+    # Fork a shim for each request on fd 0 (a SOCK_SEQPACKET socket): an attempt dir, a
+    # NUL and its exec record (marshal; empty: the shim reads spec.json), with the write
+    # end of a pipe that the shim keeps as its fd 1 until it exits. The reply is the
+    # shim's pid, or "fork failed: ..." (and no shim). EOF: the agent is gone or
+    # stopping; the shims run on.
+    import socket, traceback      # loaded once, here: the shims are forked with them
+    _shim_ctime(os.getpid())      # ... and the boot time read
+
+    def reap(_sig, _frame):
+        # waited for, not ignored (SIG_IGN): their CPU then counts as this process's
+        # children's, as a shim started by the agent counted as the agent's
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, reap)
+    sock = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 17, 1, socket.MSG_CMSG_CLOEXEC)
+        except ConnectionError:
+            return 0
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            return 0
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.send(b"fork failed: a request needs one pipe")
+            continue
+        try:
+            pid = os.fork()
+        except OSError as e:
+            os.close(fds[0])
+            sock.send(f"fork failed: {e}".encode())
+            continue
+        if pid == 0:
+            code = 1
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.setsid()
+                os.dup2(fds[0], 1)
+                os.close(fds[0])
+                path, _, packed = msg.partition(b"\0")
+                code = shim_main(os.fsdecode(path), packed)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        os.close(fds[0])
+        sock.send(b"%d" % pid)
 """
 _shim_ns = {}
 exec(SHIM_SOURCE, _shim_ns)
@@ -2035,11 +2123,15 @@ _shim_write = _shim_ns["_shim_write"]
 
 
 def shim_command():
-    """argv that runs the shim; the attempt dir (or "-": read it from stdin) is appended.
-    -I -S: no site packages, no PYTHON* variables; the shim needs only the stdlib and
-    starts in about half the time."""
+    """argv that runs one shim alone; the attempt dir is appended.
+    -I -S: no site packages, no PYTHON* variables: the shim needs only the stdlib."""
     return [sys.executable, "-I", "-S", "-c",
             SHIM_SOURCE + "\nsys.exit(shim_main(sys.argv[1]))"]
+
+
+def fork_server_command():
+    """argv of the fork server (Launcher); its socket is its stdin."""
+    return [sys.executable, "-I", "-S", "-c", SHIM_SOURCE + "\nsys.exit(fork_server())"]
 
 
 # ---------------------------------------------------------------------------------------

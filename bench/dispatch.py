@@ -68,16 +68,19 @@ def submit(s, url, command, workdir):
 
 
 def cpu_split(procs, agent):
-    """CPU seconds so far: server (master + worker), agent, the agent's reaped children
-    (shims and the jobs under them), this benchmark process."""
+    """CPU seconds so far: server (master + worker), agent, the agent's children (its fork
+    server and the shims it forked and reaped, with the jobs under them), this benchmark
+    process."""
     import psutil
     server = psutil.Process(procs[1].pid)
     tree = [server] + server.children(recursive=True)
-    a = psutil.Process(agent.pid).cpu_times()
+    ap = psutil.Process(agent.pid)
+    a = ap.cpu_times()
     me = psutil.Process().cpu_times()
     return {"server": sum(sum(p.cpu_times()[:2]) for p in tree),
             "agent": a.user + a.system,
-            "shims+jobs": a.children_user + a.children_system,
+            "shims+jobs": a.children_user + a.children_system
+            + sum(sum(k.cpu_times()[:4]) for k in ap.children()),
             "bench client": me.user + me.system}
 
 

@@ -1005,3 +1005,77 @@ def test_job_starts_with_default_signal_dispositions(tmp_path, hosts):
     ignored = int(line.split()[1], 16)
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
         assert not ignored & (1 << (sig - 1)), f"{sig.name} is ignored in the job"
+
+
+def test_shims_come_from_one_fork_server_that_is_restarted_when_killed(tmp_path, hosts):
+    """Each job's shim is forked by the agent's fork server (no interpreter start per
+    job). A fork server killed between jobs is replaced at the next launch; the job of a
+    record too big for one message still runs (the shim reads spec.json)."""
+    h = hosts(tmp_path / "home")
+    stamp = [PY, "-c", "import os; print(os.getppid(), os.environ.get('BIG', '')[:3])"]
+    h.runner.handle_start(start_msg(1, stamp, tmp_path))
+    assert h.wait_exited(1)["exit_code"] == 0
+    server = h.runner.launcher._forker[0]
+    [line] = [ln[2] for ln in log_lines(h.outbox, 1)]
+    shim_pid = json.loads((tmp_path / "home/agent/jobs/1/1/pid").read_text())["shim_pid"]
+    assert int(line.split()[0]) == shim_pid != server.pid
+    server.kill()
+    server.wait()
+    big = "x" * (agent.FORK_RECORD_MAX + 1)
+    h.runner.handle_start(start_msg(2, stamp, tmp_path, env={"BIG": big}))
+    assert h.wait_exited(2)["exit_code"] == 0
+    assert [ln[2].split()[1] for ln in log_lines(h.outbox, 2)] == ["xxx"]
+    assert h.runner.launcher._forker[0].pid != server.pid
+
+
+def test_a_refused_fork_ends_the_attempt_dispatch_failed(tmp_path, hosts):
+    """The fork server answers a failed fork with a sentence: the attempt ends
+    DISPATCH_FAILED with it, not LOST, and the next job still starts."""
+    h = hosts(tmp_path / "home")
+    launcher = h.runner.launcher
+    real_send = agent.socket.send_fds
+
+    def no_pipe(sock, buffers, fds):      # a request without its pipe: the server refuses
+        return real_send(sock, buffers, [])
+    agent.socket.send_fds = no_pipe
+    try:
+        h.runner.handle_start(start_msg(3, ["true"], tmp_path))
+        rec = h.wait_exited(3)
+    finally:
+        agent.socket.send_fds = real_send
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and "shim could not be started" in rec["message"]
+    h.runner.handle_start(start_msg(4, ["true"], tmp_path))
+    assert h.wait_exited(4)["exit_code"] == 0
+    assert launcher._forker[0].poll() is None
+
+
+def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts):
+    """state.json carries the attempts still running, not every attempt since the agent
+    started: saving it at each compaction must not grow with the number of jobs run."""
+    h = hosts(tmp_path / "home")
+    for job_id in range(1, 6):
+        h.runner.handle_start(start_msg(job_id, ["true"], tmp_path))
+    for job_id in range(1, 6):
+        h.wait_exited(job_id)
+    wait_until(lambda: all((tmp_path / f"home/agent/jobs/{j}/1/reported").exists()
+                           for j in range(1, 6)), what="reported markers")
+    h.outbox.ack(h.outbox.last_seq)
+    state = json.loads((tmp_path / "home/agent/state.json").read_text())
+    assert state["acked"] == h.outbox.last_seq and state["attempts"] == {}
+
+
+def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
+    """An ack of everything truncates the spool in place; records appended after it are
+    read back as written (no stale bytes from before the truncation)."""
+    ob = agent.Outbox(str(tmp_path / "agent"))
+    for i in range(3):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "old" * 50]]})
+    assert len(ob.pending_after(0, max_records=1)) == 1     # the reader buffers the rest
+    ob.ack(3)
+    assert os.path.getsize(ob.spool_path) == 0
+    ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[9, 0, "new"]]})
+    [(seq, wire)] = ob.pending_after(3)
+    assert seq == 4 and json.loads(wire)["lines"] == [[9, 0, "new"]]
+    ob.close()
+    again = agent.Outbox(str(tmp_path / "agent"))
+    assert [s for s, _w in again.pending_after(again.acked)] == [4]
