@@ -605,9 +605,15 @@ class Outbox:
 _PRIVATE_ENV = re.compile(r"^GPUCTL_")
 
 
-def job_environment(msg, base_env=None, sdk_dir=SDK_DIR, secrets=()):
-    env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
-           if not _PRIVATE_ENV.match(k) and v not in secrets}
+def inherited_environment(secrets=(), base_env=None):
+    """What a job inherits of the agent's environment: none of its own settings, no
+    value that is one of its secrets."""
+    return {k: v for k, v in (base_env if base_env is not None else os.environ).items()
+            if not _PRIVATE_ENV.match(k) and v not in secrets}
+
+
+def job_environment(msg, base_env=None, sdk_dir=SDK_DIR, secrets=(), inherited=None):
+    env = dict(inherited) if inherited is not None else inherited_environment(secrets, base_env)
     job_env = {str(k): str(v) for k, v in (msg.get("env") or {}).items()}
     env.update(job_env)
     env.update({
@@ -740,10 +746,11 @@ class Attempt:
     """One (job, attempt): what the runner thread knows about it. Only that thread
     touches it."""
 
-    def __init__(self, job_id, attempt, path):
+    def __init__(self, job_id, attempt, path, spec=None):
         self.job_id, self.attempt, self.dir = int(job_id), int(attempt), path
         self.key = f"{self.job_id}/{self.attempt}"
-        spec = read_json(self.file("spec.json")) or {}
+        if spec is None:
+            spec = read_json(self.file("spec.json")) or {}
         start = spec.get("start", {})
         self.received_at = spec.get("received_at") or now_ms()
         self.run_id = start.get("run_id")
@@ -755,6 +762,7 @@ class Attempt:
         self.container_stop_sent = False
         self.watched = False              # this agent process launched it: a waiter watches
         self.shim_gone = False            # our waiter saw the shim exit
+        self.started = False              # ... or its line: the command runs
         self.pid_info = None
         self.running_reported = False
         self.final = False
@@ -780,7 +788,8 @@ class Attempt:
         self.ckpt.load(st.get("ckpt", {}))
 
     def pid(self):
-        if self.pid_info is None:
+        # a shim we watch says when it has written the file (its line, or its exit)
+        if self.pid_info is None and (self.started or self.shim_gone or not self.watched):
             self.pid_info = read_json(self.file("pid"))
         return self.pid_info
 
@@ -886,7 +895,7 @@ class Launcher:
         except OSError as e:
             reply = f"no reply from the fork server ({e})"
         if reply.isdigit():
-            log.info("job %s attempt %s: launched shim pid %s", att.job_id, att.attempt, reply)
+            log.debug("job %s attempt %s: launched shim pid %s", att.job_id, att.attempt, reply)
             return
         if not reply:
             reply = "the fork server ended before it replied"
@@ -905,6 +914,7 @@ class Launcher:
         try:
             with open(fd, "rb", buffering=0) as pipe:
                 while pipe.readline():
+                    att.started = True
                     self.wake()
         finally:
             att.shim_gone = True
@@ -1563,6 +1573,7 @@ class Runner(Worker):
         self.hook_interval_s = hook_interval_s
         self.ckpt_interval_s = ckpt_interval_s
         self.secrets = tuple(s for s in secrets if s)
+        self.inherited_env = inherited_environment(self.secrets)   # read once: it is fixed
         self.retention_days = retention_days
         self._wake = threading.Event()
         self.launcher = Launcher(kill_grace_s, self._wake.set,
@@ -1629,8 +1640,8 @@ class Runner(Worker):
         self.reporter.again(path)
         log.info("start for known attempt %s: re-reported its state", key)
 
-    def _new_attempt(self, job_id, attempt, path):
-        att = Attempt(job_id, attempt, path)
+    def _new_attempt(self, job_id, attempt, path, spec=None):
+        att = Attempt(job_id, attempt, path, spec)
         att.ckpt.interval_s = self.ckpt_interval_s
         return att
 
@@ -1751,7 +1762,7 @@ class Runner(Worker):
         msg["type"] = "start"
         if not msg.get("server_url"):
             msg["server_url"] = self.server_url
-        env = job_environment(msg, secrets=self.secrets)
+        env = job_environment(msg, inherited=self.inherited_env)
         spec = {"start": msg, "received_at": now_ms()}
         image = msg.get("image") or self.docker.default_image
         try:
@@ -1776,7 +1787,7 @@ class Runner(Worker):
             log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
         else:
             write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
-        att = self._new_attempt(job_id, attempt, path)
+        att = self._new_attempt(job_id, attempt, path, spec)
         self.active[key] = att
         if spec["exec"] is not None:
             self.launcher.launch(att, spec["exec"])

@@ -1,6 +1,7 @@
 """Dispatch latency and drain throughput, beside starting the same processes directly.
 
     .venv/bin/python bench/dispatch.py [--jobs 50] [--drain 200] [--slots 4] [--idle 30]
+                                       [--rounds 3]
 
 Starts a real server (gunicorn) and a real agent with fake GPUs (default settings: 5 s
 heartbeat, 10 s node stats) in a temp home, removed at the end, then:
@@ -9,9 +10,11 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
 1. submit → process start latency for `--jobs` jobs, one at a time on an idle node
    (the job writes time.time() as its first act; the submit time is taken just before
    the POST), median and p95;
-2. the time to drain `--drain` trivial jobs through `--slots` GPU slots;
+2. the time to drain `--drain` trivial jobs through `--slots` GPU slots, `--rounds`
+   times, each beside a direct drain of the same commands (`--slots` subprocess.run at a
+   time), the two alternated (G D, D G, ...), with the CPU of each part;
 and, as the baseline in the same run, the bare cost of starting the same processes with
-subprocess directly, `--slots` at a time. Prints both and the ratio.
+subprocess directly. Prints both, the ratio of each round and their median.
 """
 import argparse
 import concurrent.futures
@@ -33,8 +36,9 @@ def wait(cond, timeout=60, what="condition", every=0.01):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if cond():
-                return
+            value = cond()
+            if value:
+                return value
         except requests.RequestException:
             pass
         time.sleep(every)
@@ -84,6 +88,13 @@ def cpu_split(procs, agent):
             "bench client": me.user + me.system}
 
 
+def drained(s, url, ids):
+    """The jobs `ids` once every one has succeeded, else None."""
+    jobs = s.get(f"{url}/api/v1/jobs?limit={len(ids) + 10}", timeout=10).json()["jobs"]
+    done = [j for j in jobs if j["id"] in set(ids) and j["state"] == "SUCCEEDED"]
+    return done if len(done) == len(ids) else None
+
+
 def pct(values, p):
     values = sorted(values)
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
@@ -94,6 +105,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=50)
     ap.add_argument("--drain", type=int, default=200)
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="drains, alternated with direct ones")
     ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle measurement")
     args = ap.parse_args()
 
@@ -130,34 +142,48 @@ def main():
             subprocess.run([sys.executable, "-c", stamp, str(marker)], cwd=work, check=True)
             direct.append(float(marker.read_text()) - t0)
 
-        # 2. drain N trivial jobs through the slots
+        # 2. drain N trivial jobs through the slots, alternated with the direct drain
+        # (G D, D G, G D, ...): this VM's speed drifts by a third between minutes, and a
+        # ratio of two phases run back to back reads that drift
         trivial = [sys.executable, "-c", "pass"]
-        cpu0 = cpu_split(procs, agent)
-        t0 = time.monotonic()
-        ids = [submit(s, url, trivial, work) for _ in range(args.drain)]
-        last = ids[-1]
 
-        def drained():
-            jobs = s.get(f"{url}/api/v1/jobs?limit={args.drain + 10}", timeout=10).json()["jobs"]
-            done = [j for j in jobs if j["id"] in set(ids) and j["state"] == "SUCCEEDED"]
-            return len(done) == len(ids)
-        # the last job's state every 50 ms, then the whole list once: polling the list
-        # every 10 ms cost the server more CPU than the jobs' dispatch on 2 cores
-        wait(lambda: s.get(f"{url}/api/v1/jobs/{last}", timeout=5).json()["state"]
-             in ("SUCCEEDED", "FAILED"), timeout=600, what=f"job {last}", every=0.05)
-        wait(drained, timeout=600, what=f"{args.drain} jobs drained (last {last})", every=0.05)
-        drain_s = time.monotonic() - t0
-        cpu1 = cpu_split(procs, agent)
+        def gpuplane_drain():
+            cpu0 = cpu_split(procs, agent)
+            t0 = time.time()
+            ids = [submit(s, url, trivial, work) for _ in range(args.drain)]
+            # The drain ends when the last job's end is recorded (`ended_at`: when the
+            # agent reported the exit; the server applies it milliseconds later). Waiting
+            # for it polls the last job every 0.5 s, then lists them all once: polling
+            # every 50 ms, or following the job on the stream, cost 1-2 ms of CPU per
+            # drained job, as much as a tenth of the dispatch being measured.
+            wait(lambda: s.get(f"{url}/api/v1/jobs/{ids[-1]}", timeout=5).json()["state"]
+                 in ("SUCCEEDED", "FAILED"), timeout=600, what=f"job {ids[-1]}", every=0.5)
+            done = wait(lambda: drained(s, url, ids), timeout=600,
+                        what=f"{args.drain} jobs drained (last {ids[-1]})", every=0.5)
+            seconds = max(j["ended_at"] for j in done) / 1000 - t0
+            cpu1 = cpu_split(procs, agent)
+            return seconds, {k: cpu1[k] - cpu0[k] for k in cpu0}
 
-        import resource
-        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:
-            list(pool.map(lambda _: subprocess.run(trivial, cwd=work, check=True),
-                          range(args.drain)))
-        direct_drain_s = time.monotonic() - t0
-        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        direct_cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        def direct_drain():
+            import resource
+            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(args.slots) as pool:
+                list(pool.map(lambda _: subprocess.run(trivial, cwd=work, check=True),
+                              range(args.drain)))
+            seconds = time.monotonic() - t0
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return seconds, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+
+        rounds = []
+        for i in range(args.rounds):
+            if i % 2 == 0:
+                g = gpuplane_drain()
+                d = direct_drain()
+            else:
+                d = direct_drain()
+                g = gpuplane_drain()
+            rounds.append((g, d))
     finally:
         for p in procs:
             stop_server(p)          # both run as their own process group
@@ -171,14 +197,16 @@ def main():
     print(f"  direct   : median {ms(statistics.median(direct))}, p95 {ms(pct(direct, 95))}"
           "   (subprocess.run of the same command)")
     print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
-    print(f"drain {args.drain} trivial jobs through {args.slots} slots")
-    print(f"  gpuplane : {drain_s:.2f} s ({args.drain / drain_s:.1f} jobs/s)")
-    print(f"  direct   : {direct_drain_s:.2f} s ({args.drain / direct_drain_s:.1f} jobs/s)"
-          f"   ({args.slots} subprocess.run at a time)")
-    print(f"  ratio    : {drain_s / direct_drain_s:.1f}x")
-    print("  CPU      : gpuplane " + ", ".join(f"{k} {cpu1[k] - cpu0[k]:.2f} s" for k in cpu0)
-          + f"; direct: the jobs {direct_cpu:.2f} s")
-
+    print(f"drain {args.drain} trivial jobs through {args.slots} slots, {args.rounds} rounds "
+          "alternated with the direct drain")
+    for i, ((g_s, g_cpu), (d_s, d_cpu)) in enumerate(rounds, 1):
+        print(f"  round {i}  : gpuplane {g_s:.2f} s, direct {d_s:.2f} s "
+              f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x")
+        print("             CPU: gpuplane " + ", ".join(f"{k} {v:.2f} s" for k, v in g_cpu.items())
+              + f"; direct: the jobs {d_cpu:.2f} s")
+    ratios = [g[0] / d[0] for g, d in rounds]
+    print(f"  ratio    : median {statistics.median(ratios):.2f}x "
+          f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
 
 if __name__ == "__main__":
     main()

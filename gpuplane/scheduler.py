@@ -57,16 +57,16 @@ class Scheduler(Worker):
         """{node: (free gpu indices, free cpu slots)} for connected, reconciled nodes."""
         free = {}
         all_nodes = nodes.list_nodes(self.db) if all_nodes is None else all_nodes
-        active = jobs.active(self.db)
+        in_use = jobs.slots_in_use(self.db)
         for n in all_nodes:
             if n["state"] != "connected" or not n["synced"] or not self.is_connected(n["name"]):
                 continue
             gpus = {g["index"] for g in n["gpus"] if isinstance(g.get("index"), int)}
             cpu = n["cpu_slots"]
-            for j in active:
-                if j["node"] == n["name"]:
-                    gpus -= set(j["gpu_indices"] or [])
-                    cpu -= 1 if j["cpu_only"] else 0
+            for node, gpu_indices, cpu_only in in_use:
+                if node == n["name"]:
+                    gpus -= set(gpu_indices)
+                    cpu -= 1 if cpu_only else 0
             free[n["name"]] = (sorted(gpus), cpu)
         return free, all_nodes
 

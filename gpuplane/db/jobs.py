@@ -64,6 +64,13 @@ def placement_queue(db):
         "FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")
 
 
+def slots_in_use(db):
+    """[(node, gpu indices, cpu_only)] of the jobs holding slots (DISPATCHED, RUNNING):
+    what the scheduler subtracts at every pass, without decoding each job."""
+    return [(r["node"], loads(r["gpu_indices"]) or [], bool(r["cpu_only"])) for r in db.query(
+        "SELECT node, gpu_indices, cpu_only FROM jobs WHERE state IN ('DISPATCHED', 'RUNNING')")]
+
+
 def active(db, node=None):
     if node is None:
         rows = db.query("SELECT * FROM jobs WHERE state IN ('DISPATCHED', 'RUNNING')")
