@@ -42,8 +42,8 @@ COMPACT_BYTES = 8 * 1024 * 1024     # acked bytes at the spool's head worth a re
 ACK_TIMEOUT_S = 15.0
 KILL_GRACE_S = 5.0
 LAUNCH_GRACE_S = 10.0             # a half-made attempt dir younger than this may still launch
-FORK_REPLY_TIMEOUT_S = 10.0       # the fork server answers a launch with the shim's pid
-FORK_RECORD_MAX = 64 * 1024       # a bigger exec record goes through spec.json
+SHIM_REPLY_TIMEOUT_S = 10.0       # the shim answers a launch with the job's pid
+SHIM_RECORD_MAX = 64 * 1024       # a bigger exec record goes through spec.json
 SDK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk")
 
 OOM_PATTERNS = re.compile(
@@ -815,59 +815,54 @@ class Attempt:
 
 
 class Launcher:
-    """Starts an attempt's shim and stops its process tree (SIGTERM to the group, SIGKILL
-    to it and every descendant seen once the grace period is over).
+    """Starts attempts through the shim and stops their process trees (SIGTERM to the
+    group, SIGKILL to it and every descendant seen once the grace period is over).
 
-    Shims are forked by a fork server: one warm `python -I -S` interpreter, started with
-    the runner, that forks a shim for each attempt. A fork costs about a millisecond of
-    CPU where a new interpreter costs 15 to 20; on a host draining short jobs that CPU is
-    the jobs'. The server runs in a session of its own, and so does every shim it forks:
-    they outlive the agent, and the server ends when the agent closes its socket."""
+    The shim (SHIM_SOURCE) is one `python -I -S` process per agent that starts each job
+    with posix_spawn and waits for it, in a session of its own: jobs outlive the agent,
+    and a shim whose agent has gone ends once its jobs have. Starting a job through it
+    costs a message and a spawn, where a shim per job cost an interpreter start (15 to
+    20 ms of CPU) and a forked one 3 to 4 ms."""
 
     def __init__(self, kill_grace_s, wake, err_path=os.devnull):
         self.kill_grace_s = kill_grace_s
         self.wake = wake
         self.err_path = err_path
-        self._forker = None         # (Popen, socket) of the fork server
+        self._server = None         # (Popen, socket) of this agent's shim
+        self._retired = []          # shims we stopped handing jobs to (reaped when they end)
 
     def warm(self):
-        """Start the fork server if it is not running (the runner calls this at start, so
-        the first job does not wait for an interpreter)."""
-        if self._forker is not None and self._forker[0].poll() is None:
-            return self._forker
-        self._forker_down()
+        """Start the shim if it is not running (the runner calls this at start, so the
+        first job does not wait for an interpreter). -> (Popen, socket)"""
+        self._retired = [p for p in self._retired if p.poll() is None]
+        if self._server is not None and self._server[0].poll() is None:
+            return self._server
+        self._retire()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, open(self.err_path, "ab", opener=_private_opener) as err:
-            p = subprocess.Popen(fork_server_command(), stdin=theirs,
+            p = subprocess.Popen(shim_server_command(), stdin=theirs,
                                  stdout=subprocess.DEVNULL, stderr=err,
                                  start_new_session=True, close_fds=True,
                                  env=shim_environment())
-        ours.settimeout(FORK_REPLY_TIMEOUT_S)
-        self._forker = (p, ours)
-        return self._forker
+        ours.settimeout(SHIM_REPLY_TIMEOUT_S)
+        self._server = (p, ours)
+        return self._server
 
-    def _forker_down(self, kill=False):
-        forker, self._forker = self._forker, None
-        if forker is None:
-            return
-        p, sock = forker
-        sock.close()                # it reads EOF and ends; the shims it forked run on
-        try:
-            if kill:
-                p.kill()
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    def _retire(self):
+        """Hand the shim no more jobs: it reads EOF and ends once the jobs it has ended."""
+        server, self._server = self._server, None
+        if server is not None:
+            server[1].close()
+            if server[0].poll() is None:
+                self._retired.append(server[0])
 
     def launch(self, att, exec_record):
-        """Have the fork server fork the attempt's shim, with its exec record (marshal:
-        cheaper to load than spec.json; a record too big for one message stays in
-        spec.json, where the shim reads it). The shim holds the write end of a pipe until
-        it exits: a line when the command runs and EOF when the shim is gone both wake the
-        runner, so nothing polls for a start or an exit."""
+        """Hand the attempt to the shim with its exec record (marshal: cheaper to load
+        than spec.json; a record too big for one message stays in spec.json, where the
+        shim reads it) and the write end of a pipe: a line when the command runs and EOF
+        once its exit is written both wake the runner, so nothing polls for either."""
         packed = marshal.dumps(exec_record)
-        request = os.fsencode(att.dir) + b"\0" + (packed if len(packed) <= FORK_RECORD_MAX
+        request = os.fsencode(att.dir) + b"\0" + (packed if len(packed) <= SHIM_RECORD_MAX
                                                   else b"")
         r, w = os.pipe()
         try:
@@ -877,38 +872,37 @@ class Launcher:
                     socket.send_fds(sock, [request], [w])
                     break
                 except OSError:
-                    # not delivered: the server died since the last launch; once more
-                    # with a new one, then the attempt ends LOST (no shim, no exit status)
-                    self._forker_down(kill=True)
+                    # not delivered: the shim died since the last launch; once more with a
+                    # new one, then the attempt ends LOST (nothing runs, no exit status)
+                    self._retire()
                     if attempt == 2:
                         os.close(r)
                         raise
         finally:
             os.close(w)
-        # From here the pipe tells: if no shim was forked, the server's copy of the write
-        # end closes (at once after a refused fork, or when it dies) and the waiter sees EOF.
+        # From here the pipe tells: if the shim holds no copy of its write end (it never
+        # got this job, or died), the waiter sees EOF.
         att.watched = True
         threading.Thread(target=self._wait, args=(att, r), daemon=True,
                          name=f"gpuplane-agent-wait-{att.key}").start()
         try:
             reply = sock.recv(4096).decode("utf-8", "replace")
         except OSError as e:
-            reply = f"no reply from the fork server ({e})"
-        if reply.isdigit():
-            log.debug("job %s attempt %s: launched shim pid %s", att.job_id, att.attempt, reply)
+            reply = f"no reply from the shim ({e})"
+        if reply.startswith("pid ") or reply == "ended":
+            log.debug("job %s attempt %s: %s", att.job_id, att.attempt, reply)
             return
-        if not reply:
-            reply = "the fork server ended before it replied"
-        log.error("job %s attempt %s: shim not started: %s", att.job_id, att.attempt, reply)
-        if reply.startswith("fork failed"):
-            # the server is fine and no shim exists: the attempt failed to dispatch
+        log.error("job %s attempt %s: not started: %s", att.job_id, att.attempt,
+                  reply or "the shim ended before it replied")
+        if reply.startswith("refused"):
+            # the shim is fine and runs nothing for it: the attempt failed to dispatch
             if read_json(att.file("exit")) is None:
                 write_json_atomic(att.file("exit"), {
                     "exit_code": None, "signal": None, "ended_at": now_ms(),
                     "failure_kind": "DISPATCH_FAILED",
-                    "message": f"the job's shim could not be started: {reply}"})
+                    "message": f"the job's shim could not start it: {reply}"})
         else:
-            self._forker_down(kill=True)    # its copy of the pipe closes with it
+            self._retire()          # gone or stuck: the next job gets a new shim
 
     def _wait(self, att, fd):
         try:
@@ -921,7 +915,7 @@ class Launcher:
             self.wake()
 
     def close(self):
-        self._forker_down()
+        self._retire()
 
     def shim_alive(self, att):
         if att.watched:
@@ -930,7 +924,7 @@ class Launcher:
         if info and info.get("shim_pid"):
             return proc_alive(info["shim_pid"], info.get("shim_create_time"))
         # no pid file yet: a crash between mkdir and launch, or a launch right now
-        # (launch.json: written by agents before the fork server)
+        # (launch.json: written by agents of before the shim per agent)
         try:
             age = time.time() - os.stat(att.dir).st_mtime
         except OSError:
@@ -1677,7 +1671,7 @@ class Runner(Worker):
         try:
             self.launcher.warm()
         except OSError as e:        # the first launch tries again
-            log.error("cannot start the fork server for shims: %s", e)
+            log.error("cannot start the shim: %s", e)
         while not self._stop.is_set():
             try:
                 timeout = self.tick()
@@ -1960,12 +1954,12 @@ class Runner(Worker):
 # the shim: its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
 
-# Shims are forked by the agent's fork server (`fork_server_command`, see Launcher); one
-# can also run alone as `python -I -S -c SHIM_SOURCE DIR` (`shim_command`, or `agent.py
-# _shim DIR`). Neither imports this file: the same text defines shim_main in this module, so
-# there is one copy of it. The server starts with an environment of its own
-# (shim_environment), so a job cannot read the agent's through /proc/PID/environ; the job's
-# environment and command come from the attempt's spec.json.
+# The shim is one process per agent (`shim_server_command`, see Launcher) that starts and
+# waits for every job; one attempt can also run alone as `python -I -S -c SHIM_SOURCE DIR`
+# (`shim_command`, or `agent.py _shim DIR`). Neither imports this file: the same text
+# defines shim_main in this module, so there is one copy of it. The shim starts with an
+# environment of its own (shim_environment), so a job cannot read the agent's through
+# /proc/PID/environ; the job's environment and command come with its exec record.
 SHIM_SOURCE = r"""
 import json, marshal, os, signal, sys, time
 
@@ -1981,7 +1975,7 @@ def _shim_write(path, text, mode=0o600):
     os.replace(tmp, path)
 
 
-_btime = []        # the boot time, read once (the fork server reads it for its shims)
+_btime = []        # the boot time, read once
 
 
 def _shim_ctime(pid):
@@ -2005,127 +1999,168 @@ def _shim_ctime(pid):
             return None
 
 
-def shim_main(path, packed=None):
-    # Run the attempt in `path`: spawn its command, wait for it, write `exit`. The exec
-    # record comes marshalled from the fork server, or from spec.json. Its fd 1 is the
-    # agent's waiter: a line once the command runs.
+def _now_ms():
+    return int(time.time() * 1000)
+
+
+def _shim_start(path, packed, shim_pid):
+    # Start the attempt in `path`: read its exec record (marshal, or spec.json), spawn its
+    # command, write `pid`. -> the command's pid; else `exit` says why it did not start:
+    # False (DISPATCH_FAILED, with a sentence) or None (cancelled before start).
+    log_fd = os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        def fail(msg):
+            os.write(log_fd, f"gpuplane: {msg}\n".encode("utf-8", "backslashreplace"))
+            _shim_end(path, {"failure_kind": "DISPATCH_FAILED", "message": msg})
+            return False
+
+        try:
+            if packed:
+                ex = marshal.loads(packed)
+            else:
+                with open(os.path.join(path, "spec.json")) as f:
+                    ex = json.load(f)["exec"]
+            argv, exe, cwd, env = ex["argv"], ex["executable"], ex["cwd"], ex["env"]
+        except (OSError, ValueError, EOFError, KeyError, TypeError) as e:
+            return fail(f"the agent's start record for this job is unreadable: {e}")
+        if os.path.exists(os.path.join(path, "cancel")):
+            return _shim_end(path, {"message": "cancelled before start"})
+        try:
+            os.chdir(cwd)
+            # posix_spawn, not subprocess: the same fork + exec without its imports; its
+            # own session (the agent kills the job's group), stdin from /dev/null, output
+            # to the log, and the signal dispositions a new program expects
+            pid = os.posix_spawn(exe, argv, env, setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, log_fd, 1),
+                (os.POSIX_SPAWN_DUP2, log_fd, 2)],
+                setsigdef=(signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ,
+                           signal.SIGCHLD))
+        except OSError as e:
+            return fail(f"cannot execute {argv[0]!r}: {e.strerror or e}")
+        except (ValueError, TypeError) as e:     # a NUL byte in argv or env, and the like
+            return fail(f"cannot execute {str(argv[0])[:200]!r}: {e}; "
+                        "fix the job's command or env")
+        finally:
+            os.chdir("/")           # holds no job's directory
+    finally:
+        os.close(log_fd)
+    _shim_write(os.path.join(path, "pid"), json.dumps({
+        "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": shim_pid,
+        "shim_create_time": _shim_ctime(shim_pid)}))
+    return pid
+
+
+def _shim_end(path, record):
+    _shim_write(os.path.join(path, "exit"), json.dumps(
+        {"exit_code": None, "signal": None, "ended_at": _now_ms(), **record}))
+
+
+def _shim_status(status):
+    rc = os.waitstatus_to_exitcode(status)
+    return {"exit_code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None}
+
+
+def _shim_quiet():
     # the agent may restart or its terminal may close; the shim must not notice (the job
     # gets the default dispositions back: it runs in a session of its own)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    now_ms = lambda: int(time.time() * 1000)
-    log_fd = os.open(os.path.join(path, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
-    def end(record):
-        _shim_write(os.path.join(path, "exit"), json.dumps(
-            {"exit_code": None, "signal": None, "ended_at": now_ms(), **record}))
 
-    def fail(msg):
-        os.write(log_fd, f"gpuplane: {msg}\n".encode("utf-8", "backslashreplace"))
-        end({"failure_kind": "DISPATCH_FAILED", "message": msg})
-        return 1
-
-    try:
-        if packed:
-            ex = marshal.loads(packed)
-        else:
-            with open(os.path.join(path, "spec.json")) as f:
-                ex = json.load(f)["exec"]
-        argv, exe, cwd, env = ex["argv"], ex["executable"], ex["cwd"], ex["env"]
-    except (OSError, ValueError, EOFError, KeyError, TypeError) as e:
-        return fail(f"the agent's start record for this job is unreadable: {e}")
-    if os.path.exists(os.path.join(path, "cancel")):
-        end({"message": "cancelled before start"})
-        return 0
-    try:
-        os.chdir(cwd)
-        # posix_spawn, not subprocess: the same fork + exec without importing subprocess;
-        # its own session (the agent kills the job's group), stdin from /dev/null, output
-        # to the log, and the signal dispositions a new program expects
-        pid = os.posix_spawn(exe, argv, env, setsid=True, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, log_fd, 1),
-            (os.POSIX_SPAWN_DUP2, log_fd, 2)],
-            setsigdef=(signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ,
-                       signal.SIGCHLD))
-    except OSError as e:
-        return fail(f"cannot execute {argv[0]!r}: {e.strerror or e}")
-    except (ValueError, TypeError) as e:     # a NUL byte in argv or env, and the like
-        return fail(f"cannot execute {str(argv[0])[:200]!r}: {e}; "
-                    "fix the job's command or env")
-    _shim_write(os.path.join(path, "pid"), json.dumps({
-        "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": os.getpid(),
-        "shim_create_time": _shim_ctime(os.getpid())}))
-    try:      # wakes the agent's waiter; an agent that is gone is no reason to stop
-        os.write(1, b"started\n")
-    except OSError:
-        pass
-    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    os.close(log_fd)
-    end({"exit_code": rc if rc >= 0 else None, "signal": -rc if rc < 0 else None})
+def shim_main(path):
+    # One attempt alone (`agent.py _shim DIR`): start it, wait for it, write `exit`.
+    _shim_quiet()
+    pid = _shim_start(path, None, os.getpid())
+    if not pid:
+        return 1 if pid is False else 0
+    _shim_end(path, _shim_status(os.waitpid(pid, 0)[1]))
     return 0
 
 
-def fork_server():
-    # Fork a shim for each request on fd 0 (a SOCK_SEQPACKET socket): an attempt dir, a
-    # NUL and its exec record (marshal; empty: the shim reads spec.json), with the write
-    # end of a pipe that the shim keeps as its fd 1 until it exits. The reply is the
-    # shim's pid, or "fork failed: ..." (and no shim). EOF: the agent is gone or
-    # stopping; the shims run on.
-    import socket, traceback      # loaded once, here: the shims are forked with them
-    _shim_ctime(os.getpid())      # ... and the boot time read
-
-    def reap(_sig, _frame):
-        # waited for, not ignored (SIG_IGN): their CPU then counts as this process's
-        # children's, as a shim started by the agent counted as the agent's
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, reap)
+def shim_server():
+    # The agent's shim: one process that starts the agent's jobs and waits for them, in a
+    # session of its own, so they outlive the agent. Requests come on fd 0 (a
+    # SOCK_SEQPACKET socket): an attempt dir, a NUL and its exec record (marshal; empty:
+    # read spec.json), with the write end of a pipe that it keeps for the job: a line once
+    # the command runs, closed once `exit` is written. The reply: "pid N", or "ended" (the
+    # attempt's `exit` says why nothing runs). EOF: the agent is gone or stopping; no new
+    # jobs, and the shim ends once the ones it has ended.
+    import select, socket, traceback
+    _shim_quiet()
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda _sig, _frame: None)   # wakes the select
     sock = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    while True:
-        try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 17, 1, socket.MSG_CMSG_CLOEXEC)
-        except ConnectionError:
-            return 0
-        if not msg:
-            for fd in fds:
-                os.close(fd)
-            return 0
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            sock.send(b"fork failed: a request needs one pipe")
-            continue
-        try:
-            pid = os.fork()
-        except OSError as e:
-            os.close(fds[0])
-            sock.send(f"fork failed: {e}".encode())
-            continue
-        if pid == 0:
-            code = 1
+    me = os.getpid()
+    jobs = {}                       # pid -> (attempt dir, the agent's pipe)
+    while sock is not None or jobs:
+        ready = select.select([wake_r] + ([sock] if sock is not None else []), [], [])[0]
+        if wake_r in ready:
             try:
-                sock.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                os.setsid()
-                os.dup2(fds[0], 1)
-                os.close(fds[0])
-                path, _, packed = msg.partition(b"\0")
-                code = shim_main(os.fsdecode(path), packed)
-            except BaseException:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+        while jobs:                 # reap every job that ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if not pid:
+                break
+            path, pipe = jobs.pop(pid, (None, None))
+            if path is None:
+                continue
+            try:
+                _shim_end(path, _shim_status(status))
+            except OSError:
                 traceback.print_exc()
-            finally:
-                os._exit(code)
-        os.close(fds[0])
-        sock.send(b"%d" % pid)
+            os.close(pipe)          # the agent's waiter sees EOF: look at `exit`
+        if sock is None or sock not in ready:
+            continue
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 17, 1,
+                                                      socket.MSG_CMSG_CLOEXEC)
+        except ConnectionError:
+            msg, fds = b"", []
+        if not msg or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if not msg:
+                sock.close()
+                sock = None
+            else:
+                sock.send(b"refused: a request needs one pipe")
+            continue
+        path, _, packed = msg.partition(b"\0")
+        path = os.fsdecode(path)
+        try:
+            pid = _shim_start(path, packed, me)
+        except Exception as e:
+            traceback.print_exc()
+            try:
+                _shim_end(path, {"failure_kind": "DISPATCH_FAILED",
+                                 "message": f"the job's shim could not start it: {e}"})
+            except OSError:
+                pass
+            pid = None
+        if not pid:
+            os.close(fds[0])
+            sock.send(b"ended")
+            continue
+        jobs[pid] = (path, fds[0])
+        try:
+            os.write(fds[0], b"started\n")
+        except OSError:         # the agent is gone: no reason to stop
+            pass
+        sock.send(b"pid %d" % pid)
+    return 0
 """
 _shim_ns = {}
 exec(SHIM_SOURCE, _shim_ns)
@@ -2140,9 +2175,9 @@ def shim_command():
             SHIM_SOURCE + "\nsys.exit(shim_main(sys.argv[1]))"]
 
 
-def fork_server_command():
-    """argv of the fork server (Launcher); its socket is its stdin."""
-    return [sys.executable, "-I", "-S", "-c", SHIM_SOURCE + "\nsys.exit(fork_server())"]
+def shim_server_command():
+    """argv of the agent's shim (Launcher); its socket is its stdin."""
+    return [sys.executable, "-I", "-S", "-c", SHIM_SOURCE + "\nsys.exit(shim_server())"]
 
 
 # ---------------------------------------------------------------------------------------

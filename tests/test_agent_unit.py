@@ -1007,35 +1007,60 @@ def test_job_starts_with_default_signal_dispositions(tmp_path, hosts):
         assert not ignored & (1 << (sig - 1)), f"{sig.name} is ignored in the job"
 
 
-def test_shims_come_from_one_fork_server_that_is_restarted_when_killed(tmp_path, hosts):
-    """Each job's shim is forked by the agent's fork server (no interpreter start per
-    job). A fork server killed between jobs is replaced at the next launch; the job of a
-    record too big for one message still runs (the shim reads spec.json)."""
+def test_one_shim_runs_the_jobs_and_a_new_one_replaces_it_when_killed(tmp_path, hosts):
+    """The agent's shim is the parent of every job it starts (no interpreter or fork per
+    job). Killed between jobs, it is replaced at the next launch; the job of a record too
+    big for one message still runs (the shim reads spec.json)."""
     h = hosts(tmp_path / "home")
-    stamp = [PY, "-c", "import os; print(os.getppid(), os.environ.get('BIG', '')[:3])"]
-    h.runner.handle_start(start_msg(1, stamp, tmp_path))
-    assert h.wait_exited(1)["exit_code"] == 0
-    server = h.runner.launcher._forker[0]
-    [line] = [ln[2] for ln in log_lines(h.outbox, 1)]
-    shim_pid = json.loads((tmp_path / "home/agent/jobs/1/1/pid").read_text())["shim_pid"]
-    assert int(line.split()[0]) == shim_pid != server.pid
-    server.kill()
-    server.wait()
-    big = "x" * (agent.FORK_RECORD_MAX + 1)
-    h.runner.handle_start(start_msg(2, stamp, tmp_path, env={"BIG": big}))
-    assert h.wait_exited(2)["exit_code"] == 0
-    assert [ln[2].split()[1] for ln in log_lines(h.outbox, 2)] == ["xxx"]
-    assert h.runner.launcher._forker[0].pid != server.pid
+    parent = [PY, "-c", "import os; print(os.getppid(), os.environ.get('BIG', '')[:3])"]
+    for job_id in (1, 2):
+        h.runner.handle_start(start_msg(job_id, parent, tmp_path))
+        assert h.wait_exited(job_id)["exit_code"] == 0
+    shim = h.runner.launcher._server[0]
+    for job_id in (1, 2):
+        [line] = [ln[2] for ln in log_lines(h.outbox, job_id)]
+        info = json.loads((tmp_path / f"home/agent/jobs/{job_id}/1/pid").read_text())
+        assert int(line.split()[0]) == info["shim_pid"] == shim.pid
+    shim.kill()
+    shim.wait()
+    big = "x" * (agent.SHIM_RECORD_MAX + 1)
+    h.runner.handle_start(start_msg(3, parent, tmp_path, env={"BIG": big}))
+    assert h.wait_exited(3)["exit_code"] == 0
+    assert [ln[2].split()[1] for ln in log_lines(h.outbox, 3)] == ["xxx"]
+    assert h.runner.launcher._server[0].pid != shim.pid
 
 
-def test_a_refused_fork_ends_the_attempt_dispatch_failed(tmp_path, hosts):
-    """The fork server answers a failed fork with a sentence: the attempt ends
-    DISPATCH_FAILED with it, not LOST, and the next job still starts."""
+def test_jobs_outlive_the_agent_and_its_shim_ends_after_them(tmp_path, hosts):
+    """An agent that stops hands its shim no more jobs; the shim stays until the jobs it
+    runs have ended and their exit files are written, then ends. The next agent adopts
+    them and reports how they ended."""
+    home = tmp_path / "home"
+    gate = tmp_path / "gate"
+    a = hosts(home)
+    a.runner.handle_start(start_msg(5, [PY, "-c", f"""
+import os, time
+while not os.path.exists({str(gate)!r}):
+    time.sleep(0.05)
+raise SystemExit(3)"""], tmp_path))
+    wait_until(lambda: job_records(a.outbox, 5, "RUNNING"), what="RUNNING")
+    shim = a.runner.launcher._server[0]
+    a.stop()
+    assert shim.poll() is None, "the shim ended with its agent while its job ran"
+    b = hosts(home)
+    gate.touch()
+    assert b.wait_exited(5)["exit_code"] == 3
+    assert shim.wait(10) == 0
+    assert json.loads((home / "agent/jobs/5/1/exit").read_text())["exit_code"] == 3
+
+
+def test_a_refused_start_ends_the_attempt_dispatch_failed(tmp_path, hosts):
+    """A start the shim refuses ends the attempt DISPATCH_FAILED with the shim's
+    sentence, not LOST, and the next job still starts."""
     h = hosts(tmp_path / "home")
     launcher = h.runner.launcher
     real_send = agent.socket.send_fds
 
-    def no_pipe(sock, buffers, fds):      # a request without its pipe: the server refuses
+    def no_pipe(sock, buffers, fds):      # a request without its pipe: the shim refuses
         return real_send(sock, buffers, [])
     agent.socket.send_fds = no_pipe
     try:
@@ -1043,10 +1068,10 @@ def test_a_refused_fork_ends_the_attempt_dispatch_failed(tmp_path, hosts):
         rec = h.wait_exited(3)
     finally:
         agent.socket.send_fds = real_send
-    assert rec["failure_kind"] == "DISPATCH_FAILED" and "shim could not be started" in rec["message"]
+    assert rec["failure_kind"] == "DISPATCH_FAILED" and "needs one pipe" in rec["message"]
     h.runner.handle_start(start_msg(4, ["true"], tmp_path))
     assert h.wait_exited(4)["exit_code"] == 0
-    assert launcher._forker[0].poll() is None
+    assert launcher._server[0].poll() is None
 
 
 def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts):
