@@ -27,6 +27,7 @@ class Scheduler(Worker):
         self.lifecycle = lifecycle
         self.cfg = cfg
         self.is_connected = is_connected or (lambda node: True)
+        self._nodes_seen = None     # the nodes as the last pass saw them (schedule)
 
     def start(self):
         # A new server process holds no agent connection yet, whatever the database says
@@ -71,13 +72,17 @@ class Scheduler(Worker):
         return free, all_nodes
 
     def schedule(self, all_nodes=None):
-        queue = jobs.placement_queue(self.db)
-        if not queue:
-            return
         free, all_nodes = self.free_slots(all_nodes)
+        most_gpus, cpu_room = self._room(free)
+        # Why a job waits for a slot depends on its shape and on the nodes: while they
+        # look as at the last pass, a job that waits only for a slot, cannot fit now and
+        # has its reason keeps it, and the queue is read without those (most of a long
+        # queue, at every pass).
+        nodes_seen = tuple((n["name"], n["state"], len(n["gpus"])) for n in all_nodes)
+        same = nodes_seen == self._nodes_seen
+        queue = jobs.placement_queue(self.db, (most_gpus, cpu_room) if same else None)
         reasons = {}        # job id -> a new pending_reason, written at the end in one go
         why = {}            # (gpus, cpu_only) -> why a job of that shape waits
-        most_gpus, cpu_room = self._room(free)
         for job in queue:
             cpu_only = bool(job["cpu_only"])
             plain = not job["held"] and job["depends_on"] in (None, "[]")
@@ -109,6 +114,7 @@ class Scheduler(Worker):
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
         if reasons:
             jobs.set_pending_reasons(self.db, reasons)
+        self._nodes_seen = nodes_seen
 
     @staticmethod
     def _room(free):

@@ -136,3 +136,26 @@ def test_a_full_node_still_gets_every_queued_job_its_reason(world):
     assert jobs.get(db, held["id"])["pending_reason"].startswith("held;")
     assert jobs.get(db, child["id"])["state"] == "FAILED"
     assert [a[0] for a in agents.started] == [r["id"] for r in running] + [cpu["id"]]
+
+
+def test_reasons_follow_the_nodes_while_later_passes_skip_jobs_that_keep_theirs(world):
+    """A pass leaves out the jobs that wait only for a slot and have their reason, while
+    the nodes look as they did; a node that goes away changes every such reason, and a
+    job released from hold gets its own at the next pass."""
+    db, lc, sched, agents, connected = world
+    [lc.submit(spec(f"r{i}")) for i in range(2)]
+    sched.tick()
+    waiting = [lc.submit(spec(f"w{i}")) for i in range(5)]
+    held = lc.submit(dict(spec("held"), held=True))
+    sched.tick()
+    says = {jobs.get(db, w["id"])["pending_reason"] for w in waiting}
+    assert says == {"waiting for 1 free GPU on one node"}
+    lc.hold(held["id"], held=False)
+    sched.tick()
+    assert jobs.get(db, held["id"])["pending_reason"] == "waiting for 1 free GPU on one node"
+    lc.node_down("n1")
+    connected.clear()
+    sched.tick()
+    for w in waiting + [held]:
+        assert jobs.get(db, w["id"])["pending_reason"] == (
+            "no connected node has 1 GPU; waiting for one to come back")

@@ -54,14 +54,24 @@ def queued(db):
         "SELECT * FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")]
 
 
-def placement_queue(db):
+def placement_queue(db, room=None):
     """The queue in placement order, as rows with only what placement reads (id, gpus,
     cpu_only, held, depends_on as stored JSON text, depends_any, pending_reason), nothing
-    decoded: the scheduler reads the whole queue at every pass, and building a dict per
-    job made a long queue's drain quadratic."""
-    return db.query(
-        "SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason "
-        "FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")
+    decoded: the scheduler reads the queue at every pass, and building a dict per job
+    made a long queue's drain quadratic.
+
+    room=(most free GPUs on one node, a free CPU slot anywhere): leave out the jobs that
+    wait only for a slot, cannot fit now and already have a reason (the caller knows it
+    still holds)."""
+    sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason "
+           "FROM jobs WHERE state = 'QUEUED'")
+    args = ()
+    if room is not None:
+        sql += (" AND (held != 0 OR depends_on IS NULL OR depends_on != '[]'"
+                " OR pending_reason IS NULL OR (cpu_only != 0 AND ?)"
+                " OR (cpu_only = 0 AND gpus <= ?))")
+        args = (int(bool(room[1])), int(room[0]))
+    return db.query(sql + " ORDER BY priority DESC, queued_at, id", args)
 
 
 def slots_in_use(db):
