@@ -2125,10 +2125,14 @@ def shim_server():
         if sock is None or sock not in ready:
             continue
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 17, 1,
-                                                      socket.MSG_CMSG_CLOEXEC)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 17, 1)
         except ConnectionError:
             msg, fds = b"", []
+        for fd in fds:
+            # no job may inherit another's pipe (or its own: the agent would see its EOF
+            # only once every process the job left behind has gone too); recv_fds takes
+            # no MSG_CMSG_CLOEXEC on Python 3.11
+            os.set_inheritable(fd, False)
         if not msg or len(fds) != 1:
             for fd in fds:
                 os.close(fd)

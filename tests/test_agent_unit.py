@@ -1104,3 +1104,31 @@ def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
     ob.close()
     again = agent.Outbox(str(tmp_path / "agent"))
     assert [s for s, _w in again.pending_after(again.acked)] == [4]
+
+
+def test_a_job_inherits_no_descriptor_of_the_shim_or_of_other_jobs(tmp_path, hosts):
+    """The shim holds a pipe per running job (its end is how the agent learns the exit):
+    a job started while another runs must not inherit it, or the first job's end would
+    wait for the second's. A job has /dev/null and its log, nothing else."""
+    h = hosts(tmp_path / "home")
+    gate = tmp_path / "gate"
+    h.runner.handle_start(start_msg(1, [PY, "-c", f"""
+import os, time
+while not os.path.exists({str(gate)!r}):
+    time.sleep(0.05)"""], tmp_path))
+    wait_until(lambda: job_records(h.outbox, 1, "RUNNING"), what="RUNNING")
+    h.runner.handle_start(start_msg(2, [PY, "-c", """
+import os
+for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):
+    try:
+        print(fd, os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        pass"""], tmp_path))
+    assert h.wait_exited(2)["exit_code"] == 0
+    fds = dict(ln[2].split(" ", 1) for ln in log_lines(h.outbox, 2))
+    log = str(tmp_path / "home/agent/jobs/2/1/log")
+    assert fds.pop("0") == "/dev/null" and fds.pop("1") == log and fds.pop("2") == log
+    # what is left is the listing's own directory handle
+    assert all("/proc/" in target for target in fds.values()), fds
+    gate.touch()
+    assert h.wait_exited(1)["exit_code"] == 0
