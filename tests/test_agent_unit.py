@@ -1132,3 +1132,27 @@ for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):
     assert all("/proc/" in target for target in fds.values()), fds
     gate.touch()
     assert h.wait_exited(1)["exit_code"] == 0
+
+
+def test_a_killed_shim_leaves_its_job_running_and_the_job_ends_lost(tmp_path, hosts):
+    """Killing the shim does not kill its job (its own session); the job runs to its end,
+    whose status nobody saw: LOST, not a guess. The next job gets a new shim."""
+    h = hosts(tmp_path / "home")
+    gate = tmp_path / "gate"
+    h.runner.handle_start(start_msg(8, [PY, "-c", f"""
+import os, time
+while not os.path.exists({str(gate)!r}):
+    time.sleep(0.05)
+print("finished")"""], tmp_path))
+    wait_until(lambda: job_records(h.outbox, 8, "RUNNING"), what="RUNNING")
+    shim = h.runner.launcher._server[0]
+    shim.kill()
+    shim.wait()
+    info = json.loads((tmp_path / "home/agent/jobs/8/1/pid").read_text())
+    assert _alive(info["pid"]) and not h.exited(8)
+    gate.touch()
+    rec = h.wait_exited(8)
+    assert rec["failure_kind"] == "LOST"
+    assert [ln[2] for ln in log_lines(h.outbox, 8)] == ["finished"]
+    h.runner.handle_start(start_msg(9, ["true"], tmp_path))
+    assert h.wait_exited(9)["exit_code"] == 0
