@@ -1007,6 +1007,15 @@ def test_job_starts_with_default_signal_dispositions(tmp_path, hosts):
         assert not ignored & (1 << (sig - 1)), f"{sig.name} is ignored in the job"
 
 
+@pytest.fixture
+def gate(tmp_path):
+    """A file a job waits for; touched at teardown too, so a test that fails leaves no
+    job (and no shim) behind."""
+    path = tmp_path / "gate"
+    yield path
+    path.touch()
+
+
 def test_one_shim_runs_the_jobs_and_a_new_one_replaces_it_when_killed(tmp_path, hosts):
     """The agent's shim is the parent of every job it starts (no interpreter or fork per
     job). Killed between jobs, it is replaced at the next launch; the job of a record too
@@ -1030,12 +1039,11 @@ def test_one_shim_runs_the_jobs_and_a_new_one_replaces_it_when_killed(tmp_path, 
     assert h.runner.launcher._server[0].pid != shim.pid
 
 
-def test_jobs_outlive_the_agent_and_its_shim_ends_after_them(tmp_path, hosts):
+def test_jobs_outlive_the_agent_and_its_shim_ends_after_them(tmp_path, hosts, gate):
     """An agent that stops hands its shim no more jobs; the shim stays until the jobs it
     runs have ended and their exit files are written, then ends. The next agent adopts
     them and reports how they ended."""
     home = tmp_path / "home"
-    gate = tmp_path / "gate"
     a = hosts(home)
     a.runner.handle_start(start_msg(5, [PY, "-c", f"""
 import os, time
@@ -1106,12 +1114,11 @@ def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
     assert [s for s, _w in again.pending_after(again.acked)] == [4]
 
 
-def test_a_job_inherits_no_descriptor_of_the_shim_or_of_other_jobs(tmp_path, hosts):
+def test_a_job_inherits_no_descriptor_of_the_shim_or_of_other_jobs(tmp_path, hosts, gate):
     """The shim holds a pipe per running job (its end is how the agent learns the exit):
     a job started while another runs must not inherit it, or the first job's end would
     wait for the second's. A job has /dev/null and its log, nothing else."""
     h = hosts(tmp_path / "home")
-    gate = tmp_path / "gate"
     h.runner.handle_start(start_msg(1, [PY, "-c", f"""
 import os, time
 while not os.path.exists({str(gate)!r}):
@@ -1134,11 +1141,10 @@ for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):
     assert h.wait_exited(1)["exit_code"] == 0
 
 
-def test_a_killed_shim_leaves_its_job_running_and_the_job_ends_lost(tmp_path, hosts):
+def test_a_killed_shim_leaves_its_job_running_and_the_job_ends_lost(tmp_path, hosts, gate):
     """Killing the shim does not kill its job (its own session); the job runs to its end,
     whose status nobody saw: LOST, not a guess. The next job gets a new shim."""
     h = hosts(tmp_path / "home")
-    gate = tmp_path / "gate"
     h.runner.handle_start(start_msg(8, [PY, "-c", f"""
 import os, time
 while not os.path.exists({str(gate)!r}):
