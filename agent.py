@@ -612,8 +612,10 @@ def inherited_environment(secrets=(), base_env=None):
             if not _PRIVATE_ENV.match(k) and v not in secrets}
 
 
-def job_environment(msg, base_env=None, sdk_dir=SDK_DIR, secrets=(), inherited=None):
-    env = dict(inherited) if inherited is not None else inherited_environment(secrets, base_env)
+def job_environment(msg, inherited, sdk_dir=SDK_DIR):
+    """The job's environment: `inherited` (inherited_environment()), the job's own
+    variables, then GPUPlane's."""
+    env = dict(inherited)
     job_env = {str(k): str(v) for k, v in (msg.get("env") or {}).items()}
     env.update(job_env)
     env.update({
@@ -867,7 +869,7 @@ class Launcher:
         r, w = os.pipe()
         try:
             for attempt in (1, 2):
-                p, sock = self.warm()
+                _proc, sock = self.warm()
                 try:
                     socket.send_fds(sock, [request], [w])
                     break
@@ -1756,7 +1758,7 @@ class Runner(Worker):
         msg["type"] = "start"
         if not msg.get("server_url"):
             msg["server_url"] = self.server_url
-        env = job_environment(msg, inherited=self.inherited_env)
+        env = job_environment(msg, self.inherited_env)
         spec = {"start": msg, "received_at": now_ms()}
         image = msg.get("image") or self.docker.default_image
         try:

@@ -1016,6 +1016,19 @@ def gate(tmp_path):
     path.touch()
 
 
+def gated(gate, then=""):
+    """argv of a job that waits for `gate` to exist (60 s at the most: then it fails),
+    then runs the Python lines `then`."""
+    return [PY, "-c", f"""
+import os, sys, threading, time
+deadline = time.monotonic() + 60
+while not os.path.exists({str(gate)!r}):
+    if time.monotonic() > deadline:
+        sys.exit("the gate never opened")
+    threading.Event().wait(0.05)
+{then}"""]
+
+
 def test_one_shim_runs_the_jobs_and_a_new_one_replaces_it_when_killed(tmp_path, hosts):
     """The agent's shim is the parent of every job it starts (no interpreter or fork per
     job). Killed between jobs, it is replaced at the next launch; the job of a record too
@@ -1045,11 +1058,7 @@ def test_jobs_outlive_the_agent_and_its_shim_ends_after_them(tmp_path, hosts, ga
     them and reports how they ended."""
     home = tmp_path / "home"
     a = hosts(home)
-    a.runner.handle_start(start_msg(5, [PY, "-c", f"""
-import os, time
-while not os.path.exists({str(gate)!r}):
-    time.sleep(0.05)
-raise SystemExit(3)"""], tmp_path))
+    a.runner.handle_start(start_msg(5, gated(gate, "raise SystemExit(3)"), tmp_path))
     wait_until(lambda: job_records(a.outbox, 5, "RUNNING"), what="RUNNING")
     shim = a.runner.launcher._server[0]
     a.stop()
@@ -1119,10 +1128,7 @@ def test_a_job_inherits_no_descriptor_of_the_shim_or_of_other_jobs(tmp_path, hos
     a job started while another runs must not inherit it, or the first job's end would
     wait for the second's. A job has /dev/null and its log, nothing else."""
     h = hosts(tmp_path / "home")
-    h.runner.handle_start(start_msg(1, [PY, "-c", f"""
-import os, time
-while not os.path.exists({str(gate)!r}):
-    time.sleep(0.05)"""], tmp_path))
+    h.runner.handle_start(start_msg(1, gated(gate), tmp_path))
     wait_until(lambda: job_records(h.outbox, 1, "RUNNING"), what="RUNNING")
     h.runner.handle_start(start_msg(2, [PY, "-c", """
 import os
@@ -1145,11 +1151,7 @@ def test_a_killed_shim_leaves_its_job_running_and_the_job_ends_lost(tmp_path, ho
     """Killing the shim does not kill its job (its own session); the job runs to its end,
     whose status nobody saw: LOST, not a guess. The next job gets a new shim."""
     h = hosts(tmp_path / "home")
-    h.runner.handle_start(start_msg(8, [PY, "-c", f"""
-import os, time
-while not os.path.exists({str(gate)!r}):
-    time.sleep(0.05)
-print("finished")"""], tmp_path))
+    h.runner.handle_start(start_msg(8, gated(gate, 'print("finished")'), tmp_path))
     wait_until(lambda: job_records(h.outbox, 8, "RUNNING"), what="RUNNING")
     shim = h.runner.launcher._server[0]
     shim.kill()
@@ -1162,3 +1164,4 @@ print("finished")"""], tmp_path))
     assert [ln[2] for ln in log_lines(h.outbox, 8)] == ["finished"]
     h.runner.handle_start(start_msg(9, ["true"], tmp_path))
     assert h.wait_exited(9)["exit_code"] == 0
+

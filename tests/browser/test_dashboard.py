@@ -247,12 +247,13 @@ import pathlib, time
 from gpuctl import run
 run.init()
 pathlib.Path("ckpt").mkdir(exist_ok=True)
+t0 = int(time.time() * 1000)
 for i in range(100):          # <= 100 points: every chart width draws them all, raw
-    run.log({"train/loss": 2.0 / (1 + i / 10)}, step=i)
-    time.sleep(0.01)             # a point's time is when it was logged: 10 ms apart
+    # a point's time is when it was logged: given here, 10 ms apart
+    run.log({"train/loss": 2.0 / (1 + i / 10)}, step=i, ts=t0 + 10 * i)
     if i in (30, 60, 99):
         # eval/loss is best at step 60: the recommendation is not simply the last one
-        run.log({"eval/loss": {30: 0.9, 60: 0.4, 99: 0.6}[i]}, step=i)
+        run.log({"eval/loss": {30: 0.9, 60: 0.4, 99: 0.6}[i]}, step=i, ts=t0 + 10 * i)
         p = pathlib.Path(f"ckpt/step_{i}.pt")
         p.write_bytes(b"x" * 1000)
         run.log_checkpoint(str(p), step=i)
