@@ -2047,9 +2047,12 @@ def _shim_start(path, packed, shim_pid):
             os.chdir("/")           # holds no job's directory
     finally:
         os.close(log_fd)
-    _shim_write(os.path.join(path, "pid"), json.dumps({
-        "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": shim_pid,
-        "shim_create_time": _shim_ctime(shim_pid)}))
+    try:        # the job runs whatever happens here: it is waited for, and `exit` written
+        _shim_write(os.path.join(path, "pid"), json.dumps({
+            "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": shim_pid,
+            "shim_create_time": _shim_ctime(shim_pid)}))
+    except OSError as e:
+        sys.stderr.write(f"gpuplane shim: {path}/pid not written: {e}\n")
     return pid
 
 
@@ -2101,6 +2104,15 @@ def shim_server():
     os.close(null)
     me = os.getpid()
     jobs = {}                       # pid -> (attempt dir, the agent's pipe)
+
+    def reply(text):
+        # an agent gone since its request takes no answer: its jobs still run to their end
+        nonlocal sock
+        try:
+            sock.send(text)
+        except OSError:
+            sock.close()
+            sock = None
     while sock is not None or jobs:
         ready = select.select([wake_r] + ([sock] if sock is not None else []), [], [])[0]
         if wake_r in ready:
@@ -2142,7 +2154,7 @@ def shim_server():
                 sock.close()
                 sock = None
             else:
-                sock.send(b"refused: a request needs one pipe")
+                reply(b"refused: a request needs one pipe")
             continue
         path, _, packed = msg.partition(b"\0")
         path = os.fsdecode(path)
@@ -2158,14 +2170,14 @@ def shim_server():
             pid = None
         if not pid:
             os.close(fds[0])
-            sock.send(b"ended")
+            reply(b"ended")
             continue
         jobs[pid] = (path, fds[0])
         try:
             os.write(fds[0], b"started\n")
         except OSError:         # the agent is gone: no reason to stop
             pass
-        sock.send(b"pid %d" % pid)
+        reply(b"pid %d" % pid)
     return 0
 """
 _shim_ns = {}

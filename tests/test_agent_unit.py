@@ -4,8 +4,10 @@ Nothing here waits with sleep(): every wait polls a condition with a deadline.
 """
 import json
 import logging
+import marshal
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1165,3 +1167,29 @@ def test_a_killed_shim_leaves_its_job_running_and_the_job_ends_lost(tmp_path, ho
     h.runner.handle_start(start_msg(9, ["true"], tmp_path))
     assert h.wait_exited(9)["exit_code"] == 0
 
+
+def test_the_shim_keeps_its_job_when_the_agent_is_gone_before_the_reply(tmp_path, gate):
+    """An agent that dies between handing over a job and reading the reply: the shim's
+    answer fails, and it still waits for the job, writes `exit` and then ends."""
+    d = tmp_path / "att"
+    d.mkdir()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    shim = subprocess.Popen(agent.shim_server_command(), stdin=theirs,
+                            start_new_session=True, env=agent.shim_environment())
+    theirs.close()
+    r, w = os.pipe()
+    record = {"argv": gated(gate, "raise SystemExit(4)"), "cwd": str(tmp_path), "env": {}}
+    record["executable"] = record["argv"][0]
+    socket.send_fds(ours, [os.fsencode(str(d)) + b"\0" + marshal.dumps(record)], [w])
+    os.close(w)
+    ours.close()                  # gone before the reply
+    try:
+        with open(r, "rb", buffering=0) as pipe:
+            assert pipe.readline() == b"started\n"
+            gate.touch()
+            assert pipe.read() == b""         # EOF: the exit is written
+        assert json.loads((d / "exit").read_text())["exit_code"] == 4
+        assert shim.wait(30) == 0
+    finally:
+        if shim.poll() is None:
+            shim.kill()
