@@ -18,6 +18,7 @@ subprocess directly. Prints both, the ratio of each round and their median.
 """
 import argparse
 import concurrent.futures
+import json
 import os
 import pathlib
 import shutil
@@ -86,6 +87,25 @@ def cpu_split(procs, agent):
             "shims+jobs": a.children_user + a.children_system
             + sum(sum(k.cpu_times()[:4]) for k in ap.children()),
             "bench client": me.user + me.system}
+
+
+def turnover(home, done):
+    """Medians over the drained jobs of one slot's turnover, in ms: the shim's `exit` →
+    the agent's EXITED record (the job's `ended_at`), and that record → the agent holding
+    the next start on the same GPU (its spec's `received_at`)."""
+    def attempt_file(job, name):
+        path = home / "agent" / "jobs" / str(job["id"]) / str(job["attempt"]) / name
+        return json.loads(path.read_text())
+    by_slot = {}
+    for j in done:
+        by_slot.setdefault(tuple(j["gpu_indices"] or []), []).append(j)
+    reported, next_start = [], []
+    for jobs in by_slot.values():
+        jobs.sort(key=lambda j: j["started_at"])
+        for a, b in zip(jobs, jobs[1:]):
+            reported.append(a["ended_at"] - attempt_file(a, "exit")["ended_at"])
+            next_start.append(attempt_file(b, "spec.json")["received_at"] - a["ended_at"])
+    return statistics.median(reported), statistics.median(next_start)
 
 
 def drained(s, url, ids):
@@ -162,7 +182,7 @@ def main():
                         what=f"{args.drain} jobs drained (last {ids[-1]})", every=0.5)
             seconds = max(j["ended_at"] for j in done) / 1000 - t0
             cpu1 = cpu_split(procs, agent)
-            return seconds, {k: cpu1[k] - cpu0[k] for k in cpu0}
+            return seconds, {k: cpu1[k] - cpu0[k] for k in cpu0}, turnover(home, done)
 
         def direct_drain():
             import resource
@@ -199,11 +219,13 @@ def main():
     print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
     print(f"drain {args.drain} trivial jobs through {args.slots} slots, {args.rounds} rounds "
           "alternated with the direct drain")
-    for i, ((g_s, g_cpu), (d_s, d_cpu)) in enumerate(rounds, 1):
+    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu)) in enumerate(rounds, 1):
         print(f"  round {i}  : gpuplane {g_s:.2f} s, direct {d_s:.2f} s "
               f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x")
         print("             CPU: gpuplane " + ", ".join(f"{k} {v:.2f} s" for k, v in g_cpu.items())
               + f"; direct: the jobs {d_cpu:.2f} s")
+        print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
+              f" → the next start at the agent {next_start:.0f} ms")
     ratios = [g[0] / d[0] for g, d in rounds]
     print(f"  ratio    : median {statistics.median(ratios):.2f}x "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
