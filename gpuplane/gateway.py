@@ -388,18 +388,18 @@ class Gateway:
                 self.events.offer_log(int(rec["job_id"]), int(rec["attempt"]), rec["lines"])
             return bool(added)
         if kind == "metrics":
-            points = rec["points"]
-            keys = list({str(p[0]) for p in points})
-            index = {k: i for i, k in enumerate(keys)}
             run_id = int(rec["run_id"])
             if runs.exists(c, run_id):
-                cols = metricwire.parse_batch(
-                    keys, [[index[str(k)], s, v, pt] for k, s, v, pt in points])
-                if cols[1]:
-                    ids, _ = metrics.resolve_keys(c, run_id, keys)
-                    metrics.insert_points(c, ids, cols)
+                acc = metricwire.accept_batch(*_agent_points(rec["points"]))
+                if acc.refused.total:
+                    # the good points of the record are kept; the bad ones counted
+                    log.warning("node %s: run %d: %s", node, run_id, acc.refused.sentence())
+                    events.points_refused(c, run_id, acc.refused, node=node)
+                if acc.cols[1]:
+                    ids, _ = metrics.resolve_keys(c, run_id, acc.keys)
+                    metrics.insert_points(c, ids, acc.cols)
                     if self.events:     # checked by the event engine on its own thread
-                        self.events.offer_points(run_id, keys, cols)
+                        self.events.offer_points(run_id, acc.keys, acc.cols)
             return False
         if kind == "node_stats":
             nodes.set_stats(c, node, {"gpus": rec.get("gpus") or [],
@@ -419,6 +419,8 @@ class Gateway:
                     fmt=rec.get("format"), source="watcher", ts=ts)
             return False
         if kind == "event":
+            _text(rec["type"], "type", 64)
+            _text(rec.get("message", ""), "message", 4000)
             events.add(c, str(rec["type"]), str(rec.get("message", "")),
                        severity=rec.get("severity", "info"), run_id=rec.get("run_id"),
                        job_id=rec.get("job_id"), node=node, data=rec.get("data"), ts=ts)
@@ -479,6 +481,34 @@ class Gateway:
 
 def cancel_message(job_id, attempt):
     return {"type": "cancel", "job_id": job_id, "attempt": attempt}
+
+
+def _text(v, what, max_len):
+    """A string of a record that may reach an event hook's environment: refused (the record
+    skipped as malformed) unless it is text of at most max_len characters without NUL."""
+    if not isinstance(v, str) or len(v) > max_len or "\0" in v:
+        raise ValueError(f"'{what}' must be a string of at most {max_len} characters "
+                         "without a NUL byte")
+    v.encode("utf-8")       # a lone surrogate: UnicodeEncodeError, a ValueError
+
+
+def _agent_points(points):
+    """An agent's metrics record ([[key, step, value, ts], ...]) in the wire format's
+    keys-and-indexes shape; a point that is not a 4-item list stays one for the wire
+    check to refuse on its own."""
+    if not isinstance(points, list):
+        raise metricwire.BadBatch("'points' must be a list of [key, step, value, ts] lists")
+    index, out = {}, []
+    for p in points:
+        if isinstance(p, list) and len(p) == 4:
+            k = p[0] if isinstance(p[0], str) else str(p[0])
+            i = index.get(k)
+            if i is None:
+                i = index[k] = len(index)
+            out.append([i, p[1], p[2], p[3]])
+        else:
+            out.append(p)
+    return list(index), out
 
 
 def _id(v):

@@ -112,3 +112,38 @@ def test_events_command_lists_and_filters(server):
     assert r.returncode == 0, r.stderr
     assert f"events (the latest 2; all: gpuplane events --run {run})" in r.stdout
     assert "hello-event" in r.stdout
+
+
+def test_a_nul_byte_never_stops_the_hook(server, tmp_path):
+    """Issue 22: one event whose message held a NUL byte stopped `gpuplane event-hook` for
+    good (every restart died on it). The API refuses such text where it enters; one stored
+    before (here: written into the file) reaches the hook as U+FFFD, and the next runs."""
+    import sqlite3
+    api = server.api
+    run = api.post("/api/v1/runs", {"name": "h", "source": "sdk"}, expect=201)["id"]
+    r = api.post(f"/api/v1/runs/{run}/events", {"name": "a\u0000b"}, expect=400)
+    assert "NUL byte" in r["error"]["message"]
+    r = api.post(f"/api/v1/runs/{run}/events", {"name": "a\ud800b"}, expect=400)
+    assert "surrogate" in r["error"]["message"]
+    with sqlite3.connect(server.home / "server" / "gpuctl.db", timeout=30) as c:
+        c.execute("INSERT INTO events (run_id, type, severity, message, data, ts) VALUES"
+                  " (?, 'USER', 'info', ?, '{}', 1)", (run, "bad\u0000message"))
+    after = event(server, run, "after")
+    script = tmp_path / "hook.sh"
+    script.write_text(HOOK)
+    script.chmod(0o755)
+    out, cursor = tmp_path / "seen.jsonl", tmp_path / "cursor"
+    base = ("event-hook", "--run", str(run), "--type", "USER", "--cursor", str(cursor),
+            "--once", "--from-start")
+    r = cli(server, *base, "--", str(script), str(out))
+    assert r.returncode == 0, r.stderr
+    seen = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [s["env"]["GPUCTL_EVENT_MESSAGE"] for s in seen] == ["bad\ufffdmessage", "after"]
+    assert seen[0]["stdin"]["message"] == "bad\u0000message"    # JSON carries it as it is
+    assert json.loads(cursor.read_text()) == {"last_id": after}
+    # a hook that cannot run for an event says so, records it beside the cursor, goes on
+    r = cli(server, "event-hook", "--run", str(run), "--type", "USER", "--once",
+            "--from-start", "--cursor", str(tmp_path / "c2"), "--", str(tmp_path / "nope"))
+    assert r.returncode == 0 and "does not exist" in r.stderr
+    failed = [json.loads(x) for x in (tmp_path / "c2.failed").read_text().splitlines()]
+    assert [f["id"] for f in failed][-1] == after and "does not exist" in failed[0]["why"]

@@ -115,3 +115,20 @@ def test_reconcile_leaves_known_attempts_alone(gw):
 def test_a_malformed_sync_is_a_protocol_error(gw):
     with pytest.raises(ProtocolError):
         gw.reconcile("n1", {"running": [{"job": 1}], "known": []})
+
+
+def test_one_long_tag_never_skips_the_rest_of_a_metrics_record(gw, caplog):
+    """Issue 22: a TensorBoard tag over 512 characters made the whole record (up to 5000
+    points) a skipped malformed record. Now only its points are refused and counted."""
+    j = dispatched(gw)
+    pts = [["loss", s, 1.0 / (s + 1), 1000 + s] for s in range(4998)]
+    pts += [["t" * 700, 1, 0.5, 1000], ["loss", -3, 0.5, 1000]]
+    recs = [{"seq": 1, "kind": "job", "job_id": j["id"], "attempt": 1, "state": "RUNNING"},
+            {"seq": 2, "kind": "metrics", "run_id": j["run_id"], "points": pts}]
+    assert gw.apply_batch("n1", batch(*recs)) == {"type": "ack", "seq": 2}
+    key = metrics.key_id(gw.db, j["run_id"], "loss")
+    assert gw.db.query_one("SELECT count(*) FROM points WHERE key_id = ?", (key,))[0] == 4998
+    assert metrics.key_names(gw.db, j["run_id"]) == ["loss"]
+    assert "2 points refused" in caplog.text
+    ev = events.query(gw.db, run_id=j["run_id"], types=["METRIC_POINTS_REFUSED"])
+    assert len(ev) == 1 and ev[0]["count"] == 2 and ev[0]["node"] == "n1"

@@ -273,25 +273,8 @@ def test_all_nan_bucket_reads_nan(client, db):
 
 @pytest.mark.parametrize("body,fragment", [
     ({"keys": "loss", "points": []}, "'keys' must be a list"),
-    ({"keys": [1], "points": []}, "must be strings"),
-    ({"keys": ["a"] * 2, "points": []}, "twice"),
     ({"keys": [f"k{i}" for i in range(10_001)], "points": []}, "at most 10000"),
     ({"keys": ["a"], "points": {"0": 1}}, "'points' must be a list"),
-    ({"keys": ["a"], "points": [[0, 1, 2.0]]}, "4 items"),
-    ({"keys": ["a"], "points": [[0, 1, 2.0, 1, 5]]}, "4 items"),
-    ({"keys": ["a"], "points": [{"k": 0, "s": 1, "v": 2, "t": 3}]}, "key_index must be"),
-    ({"keys": ["a"], "points": [5]}, "must be a list"),
-    ({"keys": ["a"], "points": ["abcd"]}, "key_index must be"),
-    ({"keys": ["a"], "points": [[1, 1, 2.0, 1]]}, "out of range"),
-    ({"keys": ["a"], "points": [[-1, 1, 2.0, 1]]}, "out of range"),
-    ({"keys": ["a"], "points": [["a", 1, 2.0, 1]]}, "key_index must be an integer"),
-    ({"keys": ["a"], "points": [[True, 1, 2.0, 1]]}, "key_index must be an integer"),
-    ({"keys": ["a"], "points": [[0, -1, 2.0, 1]]}, "step must be an integer from 0"),
-    ({"keys": ["a"], "points": [[0, 1.5, 2.0, 1]]}, "step must be an integer"),
-    ({"keys": ["a"], "points": [[0, 2**64, 2.0, 1]]}, "step must be an integer from 0"),
-    ({"keys": ["a"], "points": [[0, 1, "high", 1]]}, "\"NaN\""),
-    ({"keys": ["a"], "points": [[0, 1, None, 1]]}, "value must be a number"),
-    ({"keys": ["a"], "points": [[0, 1, 2.0, "now"]]}, "ts must be an integer"),
     ({"points": []}, "the body must be an object"),
     ([1, 2], "the body must be an object"),
 ])
@@ -304,6 +287,45 @@ def test_validation_errors(client, db, body, fragment):
     assert count_points(db) == 0
 
 
+# One bad member of a batch: refused with its reason, the good ones kept (before issue 22
+# each of these was a 400 for the whole batch, which the SDK then dropped).
+@pytest.mark.parametrize("keys,bad,fragment", [
+    (["good", 1], [1, 1, 2.0, 1], "must be a string"),
+    (["good", "good"], [1, 1, 2.0, 1], "listed twice"),
+    (["good", ""], [1, 1, 2.0, 1], "must not be empty"),
+    (["good", "x" * 513], [1, 1, 2.0, 1], "at most 512"),
+    (["good"], [0, 1, 2.0], "4 items"),
+    (["good"], [0, 1, 2.0, 1, 5], "4 items"),
+    (["good"], {"k": 0, "s": 1, "v": 2, "t": 3}, "must be a list"),
+    (["good"], 5, "must be a list"),
+    (["good"], "abcd", "must be a list"),
+    (["good"], [1, 1, 2.0, 1], "out of range"),
+    (["good"], [-1, 1, 2.0, 1], "out of range"),
+    (["good"], ["a", 1, 2.0, 1], "key_index must be an integer"),
+    (["good"], [True, 1, 2.0, 1], "key_index must be an integer"),
+    (["good"], [0, -1, 2.0, 1], "step must be an integer from 0"),
+    (["good"], [0, 1.5, 2.0, 1], "step must be an integer"),
+    (["good"], [0, 2**64, 2.0, 1], "step must be an integer from 0"),
+    (["good"], [0, 1, "high", 1], "\"NaN\""),
+    (["good"], [0, 1, None, 1], "value must be a number"),
+    (["good"], [0, 1, 2.0, "now"], "ts must be an integer"),
+])
+def test_a_bad_point_is_refused_and_the_good_ones_kept(client, db, keys, bad, fragment):
+    run = new_run(client)
+    good = [[0, s, 0.5, TS] for s in range(3)] + [[0, 3, "NaN", TS]]
+    out = post(client, run, keys, good[:2] + [bad] + good[2:])
+    assert out["accepted"] == 4 and out["refused"] == 1, out
+    assert fragment in out["refusals"][0]["reason"] and out["refusals"][0]["points"] == 1
+    assert count_points(db) == 4
+    assert [k["key"] for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]] == ["good"]
+    # the same bad point alone: nothing to keep, so the batch is the client's mistake
+    err = post(client, run, keys, [bad], expect=400)["error"]
+    assert err["code"] == "BadRequest" and fragment in err["message"], err
+    ev = get(client, f"/api/v1/events?run={run}&type=METRIC_POINTS_REFUSED")["events"]
+    assert len(ev) == 1 and ev[0]["count"] == 2 and ev[0]["severity"] == "warning", ev
+    assert fragment in ev[0]["data"]["reasons"][0]["reason"]
+
+
 def test_bad_json_and_empty_body(client):
     run = new_run(client)
     for data in (b"", b"{nope", b"\xff\xfe"):
@@ -312,10 +334,12 @@ def test_bad_json_and_empty_body(client):
         assert r.status_code == 400 and r.get_json()["error"]["code"] == "BadRequest"
 
 
-def test_batch_is_all_or_nothing(client, db):
+def test_a_batch_loses_only_its_bad_points(client, db):
     run = new_run(client)
-    post(client, run, ["a"], [[0, 0, 1.0, 1]] * 5 + [[0, 1, "bad", 1]], expect=400)
-    assert count_points(db) == 0
+    out = post(client, run, ["a"], [[0, 0, 1.0, 1]] * 5 + [[0, 1, "bad", 1]])
+    assert out == {"accepted": 5, "refused": 1, "refusals": [
+        {"reason": out["refusals"][0]["reason"], "points": 1}]}
+    assert count_points(db) == 1          # five times the same (key, step): one point
 
 
 def test_tokens_and_unknown_run(client, db):
@@ -518,6 +542,18 @@ def test_bad_binary_batches_are_400_and_store_nothing(client, db, mangle, fragme
     bad_index = metricwire.encode_binary(["loss"], [[3, 1, 0.5, TS]])
     assert "out of range" in post_binary(client, run, bad_index, expect=400)["error"]["message"]
     assert count_points(db) == 0
+
+
+def test_binary_batch_keeps_its_good_points(client, db):
+    run = new_run(client)
+    keys = ["loss", "", "x" * 600, "loss"]
+    points = [[0, 1, 0.5, TS], [1, 1, 0.5, TS], [2, 1, 0.5, TS], [3, 1, 0.5, TS],
+              [9, 1, 0.5, TS], [0, 2, float("inf"), TS], [0, 3, float("nan"), TS]]
+    out = post_binary(client, run, metricwire.encode_binary(keys, points))
+    assert out["accepted"] == 3 and out["refused"] == 4, out
+    assert sorted(r["reason"][:18] for r in out["refusals"]) == sorted(
+        ["a key must not be ", "a point's key_inde", "key 'loss' is list", "key 'xxxxxxxxxxxxx"])
+    assert count_points(db) == 3
 
 
 def _same(a, b):

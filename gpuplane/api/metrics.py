@@ -72,27 +72,44 @@ def ingest(run_id):
         # the columns takes no GIL-releasing calls, so it overlaps with another request's
         # rows going into SQLite (which releases the GIL) instead of queueing behind them.
         try:
-            keys, cols = metricwire.parse_binary(raw)
+            acc = metricwire.accept_binary(raw)
         except metricwire.BadBatch as e:
             raise BadRequest(str(e)) from None
-        batch = metrics.prepare(len(keys), cols)
+        batch = metrics.prepare(len(acc.keys), acc.cols)
         with _ingest_lock:
-            n = _store().ingest(run_id, keys, batch=batch)
-        current_app.config["EVENTS"].offer_points(run_id, keys, cols)
-        return _json({"accepted": n})
+            n = _store().ingest(run_id, acc.keys, batch=batch, refused=acc.refused)
+        _all_refused(acc)
+        current_app.config["EVENTS"].offer_points(run_id, acc.keys, acc.cols)
+        return _answer(n, acc)
     with _ingest_lock:
         data = parse_json(raw)
         if not isinstance(data, dict) or "keys" not in data or "points" not in data:
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')
         try:
-            cols = metricwire.parse_batch(data["keys"], data["points"])
-            n = _store().ingest(run_id, data["keys"], cols=cols)
+            acc = metricwire.accept_batch(data["keys"], data["points"])
+            n = _store().ingest(run_id, acc.keys, cols=acc.cols, refused=acc.refused)
         except metricwire.BadBatch as e:
             raise BadRequest(str(e)) from None
+        _all_refused(acc)
     # the event engine (gpuplane/events.py) checks them on its own thread
-    current_app.config["EVENTS"].offer_points(run_id, data["keys"], cols)
-    return _json({"accepted": n})
+    current_app.config["EVENTS"].offer_points(run_id, acc.keys, acc.cols)
+    return _answer(n, acc)
+
+
+def _all_refused(acc):
+    """A batch of which every point was refused is the client's mistake: a 400 naming the
+    reasons (the run's METRIC_POINTS_REFUSED event counts them too). One with good points
+    among bad ones stores the good ones (docs/api.md)."""
+    if acc.refused.total and not acc.cols[1]:
+        raise BadRequest(f"every point of the batch was refused: {acc.refused.sentence()}")
+
+
+def _answer(n, acc):
+    if not acc.refused.total:
+        return _json({"accepted": n})
+    return _json({"accepted": n, "refused": acc.refused.total,
+                  "refusals": acc.refused.as_list()})
 
 
 @bp.get("/runs/<int:run_id>/metrics")

@@ -53,10 +53,27 @@ def field(data, name, kind, default=_MISSING, *, min=None, max=None, choices=Non
             raise BadRequest(f"'{name}' must be at least {min}, got {v}")
         if max is not None and v > max:
             raise BadRequest(f"'{name}' must be at most {max}, got {v}")
+    if kind is str:
+        check_text(v, name)
     if choices is not None and v not in choices:
         raise BadRequest(f"'{name}' must be one of {', '.join(map(str, choices))}; got {v!r}")
     if max_len is not None and len(v) > max_len:
         raise BadRequest(f"'{name}' is too long ({len(v)}; at most {max_len})")
+    return v
+
+
+def check_text(v, name):
+    """A string that can reach an environment variable, an argv or a file name (an event
+    hook's GPUCTL_EVENT_*, a job's argv): no NUL byte, and encodable as UTF-8 (JSON can
+    carry a lone surrogate, which no such place can hold)."""
+    if "\0" in v:
+        raise BadRequest(f"'{name}' contains a NUL byte, which no environment variable, "
+                         "argument or file name can hold; remove it")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{name}' contains a lone surrogate (\\ud800-\\udfff), which is "
+                         "not text; send it as UTF-8") from None
     return v
 
 

@@ -155,37 +155,73 @@ def hook_env(ev):
                       ("MESSAGE", "message"), ("RUN_ID", "run_id"), ("JOB_ID", "job_id"),
                       ("NODE", "node"), ("STEP", "step"), ("TS", "ts"), ("COUNT", "count")):
         v = ev.get(key)
-        env[f"GPUCTL_EVENT_{name}"] = "" if v is None else str(v)
+        env[f"GPUCTL_EVENT_{name}"] = "" if v is None else _env_text(str(v))
     return env
 
 
-def run_hook(hook, ev, timeout):
-    """Run the command for one event. Returns True when it exited 0; says why not."""
-    what = f"event {ev['id']} ({ev['type']})"
+def _env_text(v):
+    """A value an environment variable can hold: the server refuses NUL bytes and lone
+    surrogates where events enter, but one stored before that (or sent by another server)
+    must not stop the hook for good, so they become U+FFFD here."""
+    if "\0" in v:
+        v = v.replace("\0", "\ufffd")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        v = v.encode("utf-8", "replace").decode("utf-8")
+    return v
+
+
+def record_failure(path, ev, why):
+    """One JSON line per event the hook could not handle, beside its cursor
+    (CURSOR.failed), so a skipped event is on record, not only on stderr."""
+    try:
+        fd = os.open(path + ".failed", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps({"id": ev.get("id"), "type": ev.get("type"), "why": why,
+                                "at": int(time.time() * 1000)}) + "\n")
+    except OSError as e:
+        note(f"event-hook: cannot record the failure in {path}.failed ({e})")
+
+
+def run_hook(hook, ev, timeout, cursor=None):
+    """Run the command for one event. Returns True when it exited 0; says why not (and,
+    with a cursor path, records it in CURSOR.failed)."""
+    why = _run_hook(hook, ev, timeout)
+    if why is None:
+        return True
+    note(f"event-hook: {why}")
+    if cursor is not None:
+        record_failure(cursor, ev, why)
+    return False
+
+
+def _run_hook(hook, ev, timeout):
+    what = f"event {ev.get('id')} ({_env_text(str(ev.get('type')))})"
     try:
         proc = subprocess.Popen(hook, stdin=subprocess.PIPE, env=hook_env(ev),
                                 start_new_session=True)
     except FileNotFoundError:
-        note(f"event-hook: {hook[0]} does not exist; {what} skipped (fix the path)")
-        return False
+        return f"{hook[0]} does not exist; {what} skipped (fix the path)"
     except PermissionError:
-        note(f"event-hook: {hook[0]} is not executable; {what} skipped "
-             f"(chmod +x it, or run it through its interpreter: -- sh {hook[0]})")
-        return False
-    except OSError as e:
-        note(f"event-hook: cannot run {hook[0]} ({e}); {what} skipped")
-        return False
+        return (f"{hook[0]} is not executable; {what} skipped "
+                f"(chmod +x it, or run it through its interpreter: -- sh {hook[0]})")
+    except (OSError, ValueError) as e:
+        # ValueError: what no exec can take (a NUL byte); one event must not stop the hook
+        return f"cannot run {hook[0]} for {what} ({e}); skipped, going on"
     try:
         proc.communicate(json.dumps(ev).encode() + b"\n", timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill(proc)
-        note(f"event-hook: {hook[0]} still ran after {timeout:g} s on {what}; killed it "
-             f"(raise --timeout if it needs longer)")
-        return False
+        return (f"{hook[0]} still ran after {timeout:g} s on {what}; killed it "
+                f"(raise --timeout if it needs longer)")
+    except OSError as e:
+        proc.kill()
+        proc.wait()
+        return f"{hook[0]} failed on {what} ({e}); going on"
     if proc.returncode != 0:
-        note(f"event-hook: {hook[0]} exited with {proc.returncode} on {what}; going on")
-        return False
-    return True
+        return f"{hook[0]} exited with {proc.returncode} on {what}; going on"
+    return None
 
 
 def _kill(proc):
@@ -233,7 +269,7 @@ def cmd_event_hook(args):
             note("event-hook: server back")
             down = False
         for ev in rows:
-            run_hook(hook, ev, args.timeout)
+            run_hook(hook, ev, args.timeout, cursor=path)
             last = ev["id"]
             write_cursor(path, last)      # after the command: a crash mid-command reruns it
         if not rows:

@@ -84,6 +84,20 @@ def record(conn, ev, window_ms, now=None):
     return cur.lastrowid, True
 
 
+REFUSED_WINDOW_MS = 60_000
+
+
+def points_refused(conn, run_id, refused, node=None):
+    """The run's METRIC_POINTS_REFUSED event for a batch whose bad points were refused
+    (and its good ones kept), debounced: within a minute the count grows."""
+    return record(conn, {
+        "type": "METRIC_POINTS_REFUSED", "severity": "warning", "run_id": run_id,
+        "node": node, "count": refused.total,
+        "message": f"run {run_id}: {refused.sentence()}; the other points of the batch were "
+                   "stored (see docs/api.md, 'Metric ingest wire format')",
+        "data": {"points": refused.total, "reasons": refused.as_list()}}, REFUSED_WINDOW_MS)
+
+
 def add_count(conn, event_id, n, now=None):
     conn.execute("UPDATE events SET count = count + ?, last_ts = ? WHERE id = ?",
                  (n, now or now_ms(), event_id))

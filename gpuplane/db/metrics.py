@@ -24,6 +24,7 @@ from itertools import islice, repeat
 from operator import add, floordiv, itemgetter, lt, sub
 
 from ..metricwire import parse_batch
+from . import events
 
 # Level widths: 16, 64, 256, ... 4**31 (the last below 2**63). The base level is 16, not
 # 4: it is the one written from raw points, and a quarter as many rows to write matters
@@ -55,18 +56,25 @@ class MetricStore:
         self._keys = {}          # (run_id, key) -> key id
         self._runs = set()
 
-    def ingest(self, run_id, keys, points=None, cols=None, batch=None):
+    def ingest(self, run_id, keys, points=None, cols=None, batch=None, refused=None):
         """Parse (or take the columns of a binary batch, or a batch made ready by
-        prepare()), then one transaction. Returns the count. Raises metricwire.BadBatch."""
+        prepare()), then one transaction. Returns the count. Raises metricwire.BadBatch.
+        `refused` (a metricwire.Refusals) is recorded as the run's METRIC_POINTS_REFUSED
+        event in the same transaction."""
         if batch is None:
             if cols is None:
                 cols = parse_batch(keys, points)
             batch = prepare(len(keys), cols)
         if not batch.n:
+            if refused is not None and refused.total:
+                with self.db.tx() as conn:
+                    events.points_refused(conn, run_id, refused)
             return 0
         with self.db.tx() as conn:
             ids, fresh = resolve_keys(conn, run_id, keys, self._keys)
             n = insert_points(conn, ids, batch)
+            if refused is not None and refused.total:
+                events.points_refused(conn, run_id, refused)
         if fresh:
             if len(self._keys) > self.max_cached_keys:
                 self._keys.clear()

@@ -52,6 +52,8 @@ class _Run:
         self.errors = 0
         self.dropped = 0
         self.sent = 0
+        self.refused = 0  # points the server refused (each with its reason in refusals)
+        self.refusals = {}
         self.idle = False
         self.wake = threading.Event()
         self.sender = None
@@ -392,22 +394,27 @@ def summary():
     """A local, read-only view of the run::
 
         {"run_id", "mode", "state", "latest": {name: last value}, "dropped", "errors",
-         "queued", "spool", "sent"}
+         "queued", "spool", "sent", "refused", "refusals": {reason: points}}
 
     ``dropped`` counts points lost because the queue was full (the oldest go first),
+    ``refused`` points the server refused one by one (an empty or over-long name, a
+    negative step: the rest of their batch was stored), with the reasons in ``refusals``,
     ``queued`` points logged but not yet acknowledged by the server, ``sent`` points the
     server acknowledged, ``spool`` the spool file while it holds anything (always in
     local mode). Never raises.
     """
     r = _run
     out = {"run_id": r.run_id, "mode": r.mode, "state": r.state, "latest": {},
-           "dropped": 0, "errors": 0, "queued": 0, "spool": None, "sent": 0}
+           "dropped": 0, "errors": 0, "queued": 0, "spool": None, "sent": 0,
+           "refused": 0, "refusals": {}}
     try:
         latest = dict(r.latest)
         for _, k, _, v, _ in list(r.points):  # list() copies without letting appends in
             latest[k if type(k) is str else str(k)] = v
         out["latest"] = latest
         out["sent"] = r.sent
+        out["refused"] = r.refused
+        out["refusals"] = dict(r.refusals)
         sp = r.spool
         queued = len(r.points) + (sp.unacked_points if sp else 0)
         out["queued"] = queued

@@ -113,7 +113,11 @@ def post(session, url, payload, content_type=None):
     if code in (408, 425, 429) or code >= 500:
         return RETRY, None
     # any other 4xx will never succeed: resending it forever would block everything behind
-    return DROP, None
+    try:
+        answer = resp.json()
+    except Exception:
+        answer = None
+    return DROP, answer if isinstance(answer, dict) else None
 
 
 def register(server, token, info, session=None):
@@ -148,6 +152,7 @@ class Sender(threading.Thread):
         self._next_scan = 0.0
         self._skip = set()
         self._session = None
+        self._refused_now = 0  # points of the last metrics batch the server refused
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -295,6 +300,10 @@ class Sender(threading.Thread):
         little GIL time from the training loop."""
         try:
             _, names, steps, values, ts = zip(*batch)
+            if not set(map(type, names)) <= {str}:
+                # 1 and "1" are one metric: made text before they are told apart, or the
+                # batch would name "1" twice
+                names = tuple(k if type(k) is str else str(k) for k in names)
             n = len(names)
             index = dict.fromkeys(names)
             if len(index) == 1:
@@ -310,9 +319,8 @@ class Sender(threading.Thread):
         if sys.byteorder != "little":
             for c in cols:
                 c.byteswap()
-        keys = json.dumps([k if type(k) is str else str(k) for k in index])
-        self.r.latest.update((k if type(k) is str else str(k), float(v))
-                             for k, v in dict(zip(names, values)).items())
+        keys = json.dumps(list(index))
+        self.r.latest.update((k, float(v)) for k, v in dict(zip(names, values)).items())
         data = b"".join([c.tobytes() for c in cols])
         # base64 needs no JSON escaping, so the line is formatted, not encoded, here
         text = '{"keys": %s, "n": %d, "cols": "%s"}' % (keys, n, base64.b64encode(data).decode())
@@ -322,10 +330,12 @@ class Sender(threading.Thread):
         keys, index, rows = [], {}, []
         add = rows.append
         for _, key, step, value, ts in batch:
+            if type(key) is not str:
+                key = str(key)
             i = index.get(key)
             if i is None:
                 i = index[key] = len(keys)
-                keys.append(key if type(key) is str else str(key))
+                keys.append(key)
             if type(value) is not float:
                 try:
                     value = float(value)  # an int too large for a float is skipped here
@@ -367,18 +377,46 @@ class Sender(threading.Thread):
             self._session = _session(self.r.token, self.r.server)
         return self._session
 
-    def _deliver(self, run_id, kind, payload):
+    def _deliver(self, run_id, kind, payload, n=0):
         url = "%s/api/v1/runs/%s/%s" % (self.r.server, run_id, _PATHS[kind])
         data = None
         if kind == "metrics":
             data = payload if type(payload) is bytes else binary_points(payload)
         if data is not None:
-            outcome, _ = post(self._http(), url, data, BINARY_TYPE)
+            outcome, answer = post(self._http(), url, data, BINARY_TYPE)
         else:
-            outcome, _ = post(self._http(), url, payload)
+            outcome, answer = post(self._http(), url, payload)
         if outcome == OK:
             self._backoff = RETRY_MIN_S
+        self._refused_now = 0
+        if kind == "metrics" and outcome in (OK, DROP):
+            self._refused_now = self._count_refused(outcome, answer, n)
         return outcome
+
+    def _count_refused(self, outcome, answer, n):
+        """The server keeps a batch's good points and refuses its bad ones, with reasons
+        (docs/api.md): counted in summary()'s "refused" and "refusals". A batch refused
+        whole (every point bad, or not a batch) counts all its points."""
+        r = self.r
+        try:
+            if outcome == OK:
+                got = int(answer.get("refused") or 0)
+                reasons = answer.get("refusals") or []
+            else:
+                got = n
+                msg = ((answer or {}).get("error") or {}).get("message") or "refused"
+                reasons = [{"reason": str(msg)[:300], "points": n}]
+            if not got:
+                return 0
+            r.refused += got
+            for item in reasons[:20]:
+                reason = str(item.get("reason"))[:300]
+                if reason in r.refusals or len(r.refusals) < 20:
+                    r.refusals[reason] = r.refusals.get(reason, 0) + int(item.get("points") or 0)
+            return got
+        except Exception:
+            r.errors += 1
+            return 0
 
     def _failed(self):
         self._retry_at = time.monotonic() + self._backoff
@@ -393,14 +431,15 @@ class Sender(threading.Thread):
             if item is None:
                 return True
             _, kind, payload, n = item
-            outcome = self._deliver(r.run_id, kind, payload)
+            outcome = self._deliver(r.run_id, kind, payload, n)
             if outcome in (RETRY, DENIED):
                 self._failed()
                 return False
             if outcome == DROP:
-                r.errors += 1
+                if kind != "metrics":      # refused points are counted in "refused"
+                    r.errors += 1
             elif kind == "metrics":
-                r.sent += n
+                r.sent += max(0, n - self._refused_now)
             with self._lock:
                 sp.ack()
             self._pace(start)
