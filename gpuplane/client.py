@@ -144,8 +144,19 @@ def resolve(server=None, token=None, home=None):
     return server, token
 
 
+def route(method, path):
+    """Mark a Client method as the one that calls `method path` (a path under /api/v1
+    with {placeholders}); tests/test_client.py checks that no route has two."""
+    def mark(fn):
+        fn.route = (method, path)
+        return fn
+    return mark
+
+
 class Client:
-    """One method per route of docs/api.md. Errors raise ApiError or ServerUnreachable."""
+    """One method per route of docs/api.md, named after the route's noun and verb
+    (`list_jobs` is GET /jobs, `get_job` GET /jobs/ID, `cancel_job` POST /jobs/ID/cancel).
+    Errors raise ApiError or ServerUnreachable."""
 
     def __init__(self, server=None, token=None, home=None, timeout=DEFAULT_TIMEOUT):
         self.server, self.token = resolve(server, token, home)
@@ -163,6 +174,11 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+    @classmethod
+    def routes(cls):
+        """{(method, path): method name} of every route this client calls."""
+        return {fn.route: name for name, fn in vars(cls).items() if hasattr(fn, "route")}
 
     # -- plumbing -------------------------------------------------------------
 
@@ -183,20 +199,16 @@ class Client:
             raise ServerUnreachable(self.server, _reason(e)) from None
         return self._answer(resp)
 
-    def get(self, path, **params):
+    def _get(self, path, **params):
         return self.request("GET", path, params=params)
 
-    def post(self, path, body=None):
-        return self.request("POST", path, body=body if body is not None else {})
-
-    def delete(self, path, **params):
-        return self.request("DELETE", path, params=params)
-
-    def put(self, path, body=None):
-        return self.request("PUT", path, body=body if body is not None else {})
-
-    def patch(self, path, body=None):
-        return self.request("PATCH", path, body=body if body is not None else {})
+    def _send(self, method, path, body=None, **params):
+        """POST / PUT / PATCH / DELETE; None values of `body` are left to the server."""
+        if body is not None:
+            body = {k: v for k, v in body.items() if v is not None}
+        elif method != "DELETE":
+            body = {}
+        return self.request(method, path, params=params, body=body)
 
     def _answer(self, resp):
         try:
@@ -213,60 +225,74 @@ class Client:
 
     # -- auth and tokens --------------------------------------------------------
 
-    def health(self):
-        return self.get("health")
+    @route("GET", "health")
+    def get_health(self):
+        return self._get("health")
 
-    def whoami(self):
-        return self.get("auth/whoami")
+    @route("GET", "auth/whoami")
+    def get_whoami(self):
+        return self._get("auth/whoami")
 
-    def tokens(self):
-        return self.get("tokens")["tokens"]
+    @route("GET", "tokens")
+    def list_tokens(self):
+        return self._get("tokens")["tokens"]
 
+    @route("POST", "tokens")
     def create_token(self, name, scope, node=None):
         """An agent token is bound to the one node name it may connect as."""
-        body = {"name": name, "scope": scope}
-        if node is not None:
-            body["node"] = node
-        return self.post("tokens", body)
+        return self._send("POST", "tokens", {"name": name, "scope": scope, "node": node})
 
+    @route("DELETE", "tokens/{id}")
     def revoke_token(self, token_id):
-        return self.delete(f"tokens/{token_id}")
+        return self._send("DELETE", f"tokens/{token_id}")
 
     # -- jobs -----------------------------------------------------------------
 
+    @route("POST", "jobs")
     def submit_job(self, command, working_dir, **fields):
         """Submit a job. `fields`: name, gpus, cpu_only, priority, max_attempts, env,
-        project, experiment, tb_dir, watch_dir (None values are left to the server)."""
-        body = {"command": command, "working_dir": working_dir}
-        body.update({k: v for k, v in fields.items() if v is not None})
-        return self.post("jobs", body)
+        project, experiment, tb_dir, watch_dir, eval_command, after, ... (None values
+        are left to the server)."""
+        return self._send("POST", "jobs", {"command": command, "working_dir": working_dir,
+                                           **fields})
 
+    @route("GET", "jobs")
     def list_jobs(self, state=None, limit=None):
-        return self.get("jobs", state=state, limit=limit)["jobs"]
+        return self._get("jobs", state=state, limit=limit)["jobs"]
 
+    @route("GET", "jobs/{id}")
     def get_job(self, job_id):
-        return self.get(f"jobs/{job_id}")
+        return self._get(f"jobs/{job_id}")
 
+    @route("POST", "jobs/{id}/cancel")
     def cancel_job(self, job_id):
-        return self.post(f"jobs/{job_id}/cancel")
+        return self._send("POST", f"jobs/{job_id}/cancel")
 
+    @route("POST", "jobs/{id}/retry")
     def retry_job(self, job_id):
-        return self.post(f"jobs/{job_id}/retry")
+        return self._send("POST", f"jobs/{job_id}/retry")
 
-    def hold_job(self, job_id, held=True):
-        return self.post(f"jobs/{job_id}/{'hold' if held else 'release'}")
+    @route("POST", "jobs/{id}/hold")
+    def hold_job(self, job_id):
+        return self._send("POST", f"jobs/{job_id}/hold")
 
-    def edit_job(self, job_id, **fields):
+    @route("POST", "jobs/{id}/release")
+    def release_job(self, job_id):
+        return self._send("POST", f"jobs/{job_id}/release")
+
+    @route("PATCH", "jobs/{id}")
+    def update_job(self, job_id, **fields):
         """Change a queued job: priority, after or after_any (None values are left out)."""
-        return self.request("PATCH", f"jobs/{job_id}",
-                            body={k: v for k, v in fields.items() if v is not None})
+        return self._send("PATCH", f"jobs/{job_id}", fields)
 
-    def logs(self, job_id, tail=None):
+    @route("GET", "jobs/{id}/logs")
+    def get_job_logs(self, job_id, tail=None):
         """{"lines": [...], "job_state"}: the lines the server keeps (the last 2000)."""
-        return self.get(f"jobs/{job_id}/logs", tail=tail)
+        return self._get(f"jobs/{job_id}/logs", tail=tail)
 
-    def stream_logs(self, job_id, tail=None, last_event_id=None, reconnect_for=60.0,
-                    on_reconnect=None):
+    @route("GET", "jobs/{id}/logs/stream")
+    def stream_job_logs(self, job_id, tail=None, last_event_id=None, reconnect_for=60.0,
+                        on_reconnect=None):
         """Yield log lines (dicts) as they arrive until the job has ended.
 
         A dropped connection is resumed with Last-Event-ID, so no line is lost or
@@ -326,175 +352,168 @@ class Client:
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
 
-    # -- nodes, queue, status ---------------------------------------------------------
+    @route("GET", "jobs/{id}/explanation")
+    def get_job_explanation(self, job_id):
+        return self._get(f"jobs/{job_id}/explanation")
 
-    def nodes(self):
-        return self.get("nodes")["nodes"]
+    # -- nodes and status -------------------------------------------------------
 
-    def queue(self):
-        return self.get("queue")["jobs"]
+    @route("GET", "nodes")
+    def list_nodes(self):
+        return self._get("nodes")["nodes"]
 
-    def status(self):
-        return self.get("status")
+    @route("GET", "status")
+    def get_status(self):
+        return self._get("status")
 
-    def placement_warning(self, job):
-        """A sentence when no node known to the server could ever hold `job` (a job as
-        answered by submit), else None. The job is queued either way: a node may come."""
-        return placement_warning(job, self.nodes())
+    # -- runs and their metrics -------------------------------------------------
 
-    # -- runs -------------------------------------------------------------------
+    @route("POST", "runs")
+    def create_run(self, project=None, experiment=None, name=None, config=None, source="sdk"):
+        return self._send("POST", "runs", {"project": project, "experiment": experiment,
+                                           "name": name, "config": config, "source": source})
 
+    @route("GET", "runs")
     def list_runs(self, project=None, experiment=None, job_id=None, limit=None):
-        return self.get("runs", project=project, experiment=experiment,
-                        job_id=job_id, limit=limit)["runs"]
+        return self._get("runs", project=project, experiment=experiment,
+                         job_id=job_id, limit=limit)["runs"]
 
+    @route("GET", "runs/{id}")
     def get_run(self, run_id):
-        return self.get(f"runs/{run_id}")
+        return self._get(f"runs/{run_id}")
 
-    def run_metrics(self, run_id):
+    @route("POST", "runs/{id}/finish")
+    def finish_run(self, run_id, status="SUCCEEDED"):
+        return self._send("POST", f"runs/{run_id}/finish", {"status": status})
+
+    @route("POST", "runs/{id}/metrics")
+    def log_run_metrics(self, run_id, keys, points):
+        """points: [[key_index, step, value, ts], ...] (the compact wire format)."""
+        return self._send("POST", f"runs/{run_id}/metrics", {"keys": keys, "points": points})
+
+    @route("GET", "runs/{id}/metrics")
+    def list_run_metrics(self, run_id):
         """Per metric key of the run: count, latest, best, direction, trend."""
-        return self.get(f"runs/{run_id}/metrics")["keys"]
+        return self._get(f"runs/{run_id}/metrics")["keys"]
 
-    def metric_series(self, run_id, key, max_points=None, from_step=None, to_step=None):
+    @route("GET", "runs/{id}/metrics/{key}")
+    def get_run_metric(self, run_id, key, max_points=None, from_step=None, to_step=None):
         """One key's downsampled series. The key is quoted whole: keys hold `/`, and may
         hold `?`, `#`, spaces or any other character."""
-        return self.get(f"runs/{run_id}/metrics/{quote(key)}", max_points=max_points,
-                        from_step=from_step, to_step=to_step)
+        return self._get(f"runs/{run_id}/metrics/{quote(key)}", max_points=max_points,
+                         from_step=from_step, to_step=to_step)
 
-    def create_run(self, project=None, experiment=None, name=None, config=None, source="sdk"):
-        body = {"project": project, "experiment": experiment, "name": name,
-                "config": config, "source": source}
-        return self.post("runs", {k: v for k, v in body.items() if v is not None})
+    @route("GET", "runs/{id}/diagnosis")
+    def get_run_diagnosis(self, run_id, key=None):
+        return self._get(f"runs/{run_id}/diagnosis", key=key)
 
-    def finish_run(self, run_id, status="SUCCEEDED"):
-        return self.post(f"runs/{run_id}/finish", {"status": status})
-
-    def log_metrics(self, run_id, keys, points):
-        """points: [[key_index, step, value, ts], ...] (the compact wire format)."""
-        return self.post(f"runs/{run_id}/metrics", {"keys": keys, "points": points})
-
-    def add_checkpoint(self, run_id, path, step=None, epoch=None, size_bytes=None):
-        return self.post(f"runs/{run_id}/checkpoints", {
-            "path": path, "step": step, "epoch": epoch, "size_bytes": size_bytes})
-
-    def add_event(self, run_id, name, data=None, step=None, ts=None):
-        return self.post(f"runs/{run_id}/events", {
-            "name": name, "data": data, "step": step, "ts": ts})
-
-    # -- observe, checkpoints, events, semantic (used by the MCP server; owner: mcp) ----------
-
-    def list_checkpoints(self, run_id):
-        return self.get(f"runs/{run_id}/checkpoints")
-
-    def evaluate_checkpoint(self, checkpoint_id, command=None):
-        body = {"command": command} if command else {}
-        return self.post(f"checkpoints/{checkpoint_id}/evaluations", body)
-
-    def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None):
-        return self.get("checkpoints:recommend", run=run, experiment=experiment,
-                        project=project, key=key)
-
-    def set_metric_definition(self, key, direction=None, primary=None, project=None,
-                              experiment=None):
-        body = {"key": key, "direction": direction, "primary": primary,
-                "project": project, "experiment": experiment}
-        return self.request("PUT", "metric-definitions",
-                            body={k: v for k, v in body.items() if v is not None})
-
-    def list_events(self, run=None, job=None, type=None, severity=None, since=None,
-                    after=None, limit=None):
-        return self.get("events", run=run, job=job, type=type, severity=severity,
-                        since=since, after=after, limit=limit)
-
-    def run_events(self, run_id, after=None, limit=None):
-        return self.get(f"runs/{run_id}/events", after=after, limit=limit)
-
-    def diagnose_run(self, run_id, key=None):
-        return self.get(f"runs/{run_id}/diagnosis", key=key)
-
+    @route("GET", "runs:compare")
     def compare_runs(self, run_ids, keys=None, key=None):
-        return self.get("runs:compare", ids=",".join(map(str, run_ids)),
-                        keys=",".join(keys) if keys else None, key=key)
+        return self._get("runs:compare", ids=",".join(map(str, run_ids)),
+                         keys=",".join(keys) if keys else None, key=key)
 
-    def compare_checkpoints(self, run_ids, key=None):
-        return self.get("checkpoints:compare", runs=",".join(map(str, run_ids)), key=key)
+    # -- checkpoints and evaluations -----------------------------------------------
 
-    def explain_failure(self, job_id):
-        return self.get(f"jobs/{job_id}/explanation")
+    @route("POST", "runs/{id}/checkpoints")
+    def create_checkpoint(self, run_id, path, step=None, epoch=None, size_bytes=None,
+                          fingerprint=None, source=None):
+        return self._send("POST", f"runs/{run_id}/checkpoints", {
+            "path": path, "step": step, "epoch": epoch, "size_bytes": size_bytes,
+            "fingerprint": fingerprint, "source": source})
 
-    # -- checkpoints, evaluations, projects, experiments, metric definitions (owner: ckpt) --
+    @route("GET", "checkpoints")
+    def list_checkpoints(self, run=None, project=None, experiment=None, limit=None):
+        return self._get("checkpoints", run=run, project=project, experiment=experiment,
+                         limit=limit)
 
-    def checkpoints(self, run=None, project=None, experiment=None, limit=None):
-        return self.get("checkpoints", run=run, project=project, experiment=experiment,
-                        limit=limit)
-
+    @route("GET", "checkpoints/{id}")
     def get_checkpoint(self, checkpoint_id):
-        return self.get(f"checkpoints/{checkpoint_id}")
+        return self._get(f"checkpoints/{checkpoint_id}")
 
-    def queue_evaluation(self, checkpoint_id, command=None, working_dir=None, gpus=None,
-                         cpu_only=None):
-        body = {"command": command, "working_dir": working_dir, "gpus": gpus,
-                "cpu_only": cpu_only}
-        return self.post(f"checkpoints/{checkpoint_id}/evaluations",
-                         {k: v for k, v in body.items() if v is not None})
+    @route("POST", "checkpoints/{id}/evaluations")
+    def create_evaluation(self, checkpoint_id, command=None, working_dir=None, gpus=None,
+                          cpu_only=None):
+        """Queue the EVALUATE job of a checkpoint (None values: the training job's)."""
+        return self._send("POST", f"checkpoints/{checkpoint_id}/evaluations", {
+            "command": command, "working_dir": working_dir, "gpus": gpus,
+            "cpu_only": cpu_only})
 
-    def get_evaluation(self, evaluation_id):
-        return self.get(f"evaluations/{evaluation_id}")
+    @route("GET", "checkpoints:compare")
+    def compare_checkpoints(self, run_ids, key=None):
+        return self._get("checkpoints:compare", runs=",".join(map(str, run_ids)), key=key)
 
-    def register_checkpoint(self, run_id, path, step=None, epoch=None, size_bytes=None,
-                            fingerprint=None, source=None):
-        body = {"path": path, "step": step, "epoch": epoch, "size_bytes": size_bytes,
-                "fingerprint": fingerprint, "source": source}
-        return self.post(f"runs/{run_id}/checkpoints",
-                         {k: v for k, v in body.items() if v is not None})
+    @route("GET", "checkpoints:recommend")
+    def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None):
+        return self._get("checkpoints:recommend", run=run, experiment=experiment,
+                         project=project, key=key)
 
-    def update_run(self, run_id, config=None, tags=None, name=None):
-        body = {"config": config, "tags": tags, "name": name}
-        return self.patch(f"runs/{run_id}", {k: v for k, v in body.items() if v is not None})
+    # -- projects, experiments, metric definitions ---------------------------------
 
-    def projects(self, archived=False):
-        return self.get("projects", archived=1 if archived else None)
+    @route("GET", "projects")
+    def list_projects(self, archived=False):
+        return self._get("projects", archived=1 if archived else None)
 
+    @route("POST", "projects")
     def create_project(self, name, description=None):
-        return self.post("projects", {"name": name, "description": description or ""})
+        return self._send("POST", "projects", {"name": name, "description": description or ""})
 
+    @route("PATCH", "projects/{name}")
     def update_project(self, project, fields):
         """fields: name (a new name), description, archived."""
-        return self.patch(f"projects/{quote(project)}", fields)
+        return self._send("PATCH", f"projects/{quote(project)}", fields)
 
+    @route("DELETE", "projects/{name}")
     def delete_project(self, name, archive=False):
-        return self.delete(f"projects/{quote(name)}", archive=1 if archive else None)
+        return self._send("DELETE", f"projects/{quote(name)}", archive=1 if archive else None)
 
-    def experiments(self, project=None, archived=False):
-        return self.get("experiments", project=project, archived=1 if archived else None)
+    @route("GET", "experiments")
+    def list_experiments(self, project=None, archived=False):
+        return self._get("experiments", project=project, archived=1 if archived else None)
 
+    @route("POST", "projects/{project}/experiments")
     def create_experiment(self, project, name, description=None):
-        return self.post(f"projects/{quote(project)}/experiments",
-                         {"name": name, "description": description or ""})
+        return self._send("POST", f"projects/{quote(project)}/experiments",
+                          {"name": name, "description": description or ""})
 
+    @route("PATCH", "projects/{project}/experiments/{name}")
     def update_experiment(self, project, experiment, fields):
         """fields: name (a new name), description, archived."""
-        return self.patch(f"projects/{quote(project)}/experiments/{quote(experiment)}", fields)
+        return self._send("PATCH", f"projects/{quote(project)}/experiments/{quote(experiment)}",
+                          fields)
 
+    @route("DELETE", "projects/{project}/experiments/{name}")
     def delete_experiment(self, project, name, archive=False):
-        return self.delete(f"projects/{quote(project)}/experiments/{quote(name)}",
-                           archive=1 if archive else None)
+        return self._send("DELETE", f"projects/{quote(project)}/experiments/{quote(name)}",
+                          archive=1 if archive else None)
 
-    def experiment_runs(self, project, name, key=None):
-        return self.get(f"projects/{quote(project)}/experiments/{quote(name)}/runs", key=key)
+    @route("GET", "projects/{project}/experiments/{name}/runs")
+    def list_experiment_runs(self, project, name, key=None):
+        return self._get(f"projects/{quote(project)}/experiments/{quote(name)}/runs", key=key)
 
-    def metric_definitions(self, project=None, experiment=None):
-        return self.get("metric-definitions", project=project, experiment=experiment)
+    @route("GET", "metric-definitions")
+    def list_metric_definitions(self, project=None, experiment=None):
+        return self._get("metric-definitions", project=project, experiment=experiment)
 
-    def put_metric_definition(self, key, project=None, experiment=None, direction=None,
+    @route("PUT", "metric-definitions")
+    def set_metric_definition(self, key, project=None, experiment=None, direction=None,
                               primary=None, description=None):
-        body = {"key": key, "project": project, "experiment": experiment,
-                "direction": direction, "primary": primary, "description": description}
-        return self.put("metric-definitions", {k: v for k, v in body.items() if v is not None})
+        return self._send("PUT", "metric-definitions", {
+            "key": key, "project": project, "experiment": experiment,
+            "direction": direction, "primary": primary, "description": description})
 
+    @route("DELETE", "metric-definitions")
     def delete_metric_definition(self, key, project=None, experiment=None):
-        return self.delete("metric-definitions", key=key, project=project,
-                           experiment=experiment)
+        return self._send("DELETE", "metric-definitions", key=key, project=project,
+                          experiment=experiment)
+
+    # -- events -------------------------------------------------------------------
+
+    @route("GET", "events")
+    def list_events(self, run=None, job=None, type=None, severity=None, since=None,
+                    after=None, limit=None):
+        """{"events": [...], "last_id"}, oldest first."""
+        return self._get("events", run=run, job=job, type=type, severity=severity,
+                         since=since, after=after, limit=limit)
 
 
 def placement_warning(job, nodes):

@@ -21,6 +21,8 @@ import math
 import re
 import statistics
 
+from .next_actions import action
+
 _MIN_WORDS = {"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer",
               "time", "nll", "latency"}
 _MAX_WORDS = {"acc", "accuracy", "f1", "precision", "recall", "auc", "bleu", "rouge", "map",
@@ -125,10 +127,6 @@ def wire(v):
         if math.isinf(v):
             return "Infinity" if v > 0 else "-Infinity"
     return v
-
-
-def action(tool, why, **arguments):
-    return {"tool": tool, "arguments": arguments, "why": why}
 
 
 def _words(key):

@@ -334,7 +334,7 @@ def test_non_json_error_names_the_url(plain_server):
 def test_stream_resumes_with_last_event_id_without_loss_or_repeats(plain_server):
     c = client.Client(plain_server, "t")
     said = []
-    texts = [line["text"] for line in c.stream_logs(
+    texts = [line["text"] for line in c.stream_job_logs(
         1, tail=10, on_reconnect=lambda reason, s: said.append(reason))]
     assert texts == [f"line {i}" for i in range(1, 6)]
     assert _Handler.seen_last_event_ids == [None, "3"]
@@ -444,7 +444,7 @@ def test_cancel_retry_and_logs_follow(stack, tmp_path):
         "import time\nprint('started', flush=True)\nwhile True: time.sleep(0.05)")
     job_id = int(out)
     c = stack["client"]
-    _wait("job running and printing", lambda: c.logs(job_id)["lines"], 30)
+    _wait("job running and printing", lambda: c.get_job_logs(job_id)["lines"], 30)
 
     # A second `gpuplane` process follows the logs while this one cancels.
     out_path = tmp_path / "follow.out"
@@ -540,7 +540,7 @@ def test_slow_up_example_exit_when_done(tmp_path):
     # Both children were stopped: nothing answers on the port any more.
     url = proc.stdout.split("GPUPlane is up at ")[1].split()[0]
     with pytest.raises(client.ServerUnreachable):
-        client.Client(url, "-").health()
+        client.Client(url, "-").get_health()
 
 
 def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
@@ -559,7 +559,7 @@ def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
         url = text.split("GPUPlane is up at ")[1].split()[0]
         assert "node upnode: 1 GPU (fake)" in text
         token = config.load_server_config(home)["admin_token"]
-        nodes = client.Client(url, token).nodes()
+        nodes = client.Client(url, token).list_nodes()
         assert [(n["name"], n["state"]) for n in nodes] == [("upnode", "connected")]
         proc.terminate()
         assert proc.wait(60) == 0
@@ -568,7 +568,7 @@ def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
             proc.kill()
             proc.wait()
     with pytest.raises(client.ServerUnreachable):
-        client.Client(url, "-").health()
+        client.Client(url, "-").get_health()
     assert (home / "logs" / "server.log").exists() and (home / "logs" / "agent.log").exists()
 
 
@@ -586,10 +586,10 @@ WEIRD_KEYS = ["train/loss", "what?yes", "a#b", "with space", "ünï/лосс", "
 def test_metric_keys_are_quoted_whole_by_the_client(live_server, capsys, monkeypatch):
     c = client.Client(live_server.url, live_server.token)
     run = c.create_run(project="quoting")["id"]
-    c.log_metrics(run, WEIRD_KEYS, [[i, s, float(s * (i + 1)), 0]
+    c.log_run_metrics(run, WEIRD_KEYS, [[i, s, float(s * (i + 1)), 0]
                                     for i in range(len(WEIRD_KEYS)) for s in range(3)])
     for i, key in enumerate(WEIRD_KEYS):
-        series = c.metric_series(run, key)
+        series = c.get_run_metric(run, key)
         assert series["key"] == key
         assert [p[0] for p in series["points"]] == [0, 1, 2], key
     monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
@@ -709,7 +709,7 @@ def test_up_on_another_port_than_server_toml_hands_jobs_the_real_address(tmp_pat
         c = client.Client(url, token)
         job = c.submit_job("echo $GPUCTL_SERVER", str(tmp_path), cpu_only=True)
         _wait("the job", lambda: c.get_job(job["id"])["state"] == "SUCCEEDED")
-        assert [ln["text"] for ln in c.logs(job["id"])["lines"]] == [url]
+        assert [ln["text"] for ln in c.get_job_logs(job["id"])["lines"]] == [url]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == cli.EXIT_INTERRUPTED      # Ctrl-C: 130, as documented
     finally:
@@ -726,8 +726,8 @@ def test_run_show_judges_results_not_counters_and_shows_a_curve_once(live_server
     keys = ["epoch", "lr", "train/loss", "tb/train/loss", "val/acc"]
     pts = [[i, s, v, 0] for s in range(40) for i, v in enumerate(
         [s // 10, 0.1 * 0.9 ** s, 1 / (s + 1), 1 / (s + 1), s / 40])]
-    c.log_metrics(run, keys, pts)
-    summary = {k["key"]: k for k in c.run_metrics(run)}
+    c.log_run_metrics(run, keys, pts)
+    summary = {k["key"]: k for k in c.list_run_metrics(run)}
     assert summary["epoch"]["judged"] is False and summary["epoch"]["direction"] is None
     assert summary["epoch"]["trend"] is None and summary["lr"]["trend"] is None
     assert summary["train/loss"]["direction"] == "min"
@@ -851,3 +851,4 @@ def test_up_says_what_it_waits_for_when_it_takes_a_while(monkeypatch, capsys):
     assert err.count("waiting for node 'x' to connect (up to 60s)...") == 1
     with pytest.raises(cli.CliError, match="gave up waiting for the server after 5s"):
         up._wait_for("the server", lambda: None, [], 5)
+

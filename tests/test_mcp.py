@@ -82,7 +82,33 @@ class McpHttp:
 def ok(res):
     is_error, data = res
     assert not is_error, data
+    check_next_actions(data)
     return data
+
+
+def check_next_actions(data):
+    """Every suggested call names a tool of the table, and its arguments are what that tool
+    takes, all filled: no placeholder for the agent to make up."""
+    import mcp_server
+    for a in (data or {}).get("next_actions", []):
+        tool = mcp_server.TOOL_BY_NAME.get(a["tool"])
+        assert tool is not None, f"next_actions names no tool: {a}"
+        tool.input(**a["arguments"])
+        assert not any(isinstance(v, str) and v.startswith("<")
+                       for v in a["arguments"].values()), a
+
+
+def test_next_actions_are_built_in_one_place_and_name_real_tools():
+    import re
+    import mcp_server
+    names = set()
+    for path in (ROOT / "gpuplane").rglob("*.py"):
+        text = path.read_text()
+        if path.name != "next_actions.py":
+            assert not re.search(r"^def action\(|\"next_actions\": \[\{", text, re.M), path
+        names |= set(re.findall(r"\baction\(\s*\"(\w+)\"", text))
+    assert len(names) > 5 and names <= set(mcp_server.TOOL_BY_NAME), \
+        names - set(mcp_server.TOOL_BY_NAME)
 
 
 def err(res):

@@ -126,7 +126,7 @@ def _value(v):
 # -- ckpt ------------------------------------------------------------------------------------
 
 def cmd_ckpt_list(args):
-    out = make_client(args).checkpoints(run=args.run, project=args.project,
+    out = make_client(args).list_checkpoints(run=args.run, project=args.project,
                                         experiment=args.experiment, limit=args.limit)
     if args.json:
         print_json(out)
@@ -160,9 +160,9 @@ def cmd_ckpt_evaluate(args):
     cmd = args.cmd or None
     if cmd and len(cmd) == 1 and any(ch.isspace() for ch in cmd[0]):
         cmd = cmd[0]
-    e = make_client(args).queue_evaluation(args.checkpoint_id, command=cmd,
-                                           working_dir=args.working_dir, gpus=args.gpus,
-                                           cpu_only=args.cpu_only)
+    e = make_client(args).create_evaluation(args.checkpoint_id, command=cmd,
+                                             working_dir=args.working_dir, gpus=args.gpus,
+                                             cpu_only=args.cpu_only)
     if args.json:
         print_json(e)
     else:
@@ -198,7 +198,7 @@ def cmd_ckpt_recommend(args):
 def cmd_list(args):
     client = make_client(args)
     if args.noun == "project":
-        rows = client.projects(archived=args.archived)["projects"]
+        rows = client.list_projects(archived=args.archived)["projects"]
         if args.json:
             print_json(rows)
             return EXIT_OK
@@ -206,7 +206,7 @@ def cmd_list(args):
                       ago(p["created_at"]), p["description"]) for p in rows],
                     ("PROJECT", "EXPERIMENTS", "RUNS", "ARCHIVED", "CREATED", "DESCRIPTION"))
         return EXIT_OK
-    rows = client.experiments(project=args.project, archived=args.archived)["experiments"]
+    rows = client.list_experiments(project=args.project, archived=args.archived)["experiments"]
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -258,7 +258,7 @@ def cmd_delete(args):
 
 
 def cmd_exp_runs(args):
-    out = make_client(args).experiment_runs(args.project, args.name, key=args.key)
+    out = make_client(args).list_experiment_runs(args.project, args.name, key=args.key)
     if args.json:
         print_json(out)
         return EXIT_OK
@@ -288,7 +288,7 @@ def _scope(args):
 
 def cmd_metric_set(args):
     project, experiment = _scope(args)
-    d = make_client(args).put_metric_definition(
+    d = make_client(args).set_metric_definition(
         args.key, project=project, experiment=experiment, direction=args.direction,
         primary=args.primary, description=args.description)
     where = (f"experiment {project}/{experiment}" if experiment else
@@ -299,7 +299,7 @@ def cmd_metric_set(args):
 
 def cmd_metric_list(args):
     project, experiment = _scope(args)
-    out = make_client(args).metric_definitions(project=project, experiment=experiment)
+    out = make_client(args).list_metric_definitions(project=project, experiment=experiment)
     if args.json:
         print_json(out)
         return EXIT_OK

@@ -365,7 +365,7 @@ def _say_reconnecting(reason, seconds):
 def _follow(client, job_id, tail, out, colour):
     attempt = None
     try:
-        for line in client.stream_logs(job_id, tail=tail, on_reconnect=_say_reconnecting):
+        for line in client.stream_job_logs(job_id, tail=tail, on_reconnect=_say_reconnecting):
             if attempt is not None and line.get("attempt") != attempt:
                 out.write(f"--- attempt {line.get('attempt')} ---\n")
             attempt = line.get("attempt")

@@ -49,7 +49,7 @@ def run_checks(args):
 
     client = Client(getattr(args, "server", None), getattr(args, "token", None), home)
     try:
-        health = client.health()
+        health = client.get_health()
     except (ServerUnreachable, ApiError) as e:
         r.fail("server", f"{client.server}: {e}",
                "start one with `gpuplane up` (or `gpuplane server`), or point at yours "
@@ -69,7 +69,7 @@ def run_checks(args):
                "token create`), or run on the server's host, where server.toml has it")
         return r
     try:
-        me = client.whoami()
+        me = client.get_whoami()
     except ApiError as e:
         r.fail("token", e.message, "set $GPUCTL_TOKEN to a valid token (`gpuplane token "
                "create` on the server's host makes one)")
@@ -80,7 +80,7 @@ def run_checks(args):
     r.ok("token", f"{me.get('name')!r}, scope {me.get('scope')}" + (f": {access}" if access
                                                                      else ""))
     try:
-        nodes = client.nodes()
+        nodes = client.list_nodes()
     except ApiError as e:
         r.fail("agents", e.message, "use a token with read scope")
         return r

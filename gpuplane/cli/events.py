@@ -73,7 +73,7 @@ def print_recent(client, limit=10, **which):
     """The latest events of a run or job, under `run show` and `job show`."""
     from gpuplane.client import ApiError
     try:
-        data = client.get("events", limit=limit, **which)
+        data = client.list_events(limit=limit, **which)
     except ApiError:         # an older server without /events: nothing to add
         return
     rows = data["events"]
@@ -88,7 +88,7 @@ def cmd_events(args):
     from gpuplane.client import ServerUnreachable
     client = make_client(args)
     q = _query(args)
-    data = client.get("events", limit=args.limit, since=args.since, **q)
+    data = client.list_events(limit=args.limit, since=args.since, **q)
     rows = data["events"]
     if args.json and not args.follow:
         print(json.dumps(rows, indent=2))
@@ -104,7 +104,7 @@ def cmd_events(args):
     down = False
     while True:
         try:
-            rows = client.get("events", after=last, limit=500, **q)["events"]
+            rows = client.list_events(after=last, limit=500, **q)["events"]
         except ServerUnreachable as e:
             if not down:
                 note(f"{e}; retrying every 2 s")
@@ -249,14 +249,14 @@ def cmd_event_hook(args):
     q = _query(args)
     last = read_cursor(path)
     if last is None:
-        last = 0 if args.from_start else client.get("events", limit=1)["last_id"]
+        last = 0 if args.from_start else client.list_events(limit=1)["last_id"]
         write_cursor(path, last)
     note(f"event-hook: running {' '.join(hook)} for each new event after id {last} "
          f"(cursor {path})")
     down = False
     while True:
         try:
-            rows = client.get("events", after=last, limit=100, **q)["events"]
+            rows = client.list_events(after=last, limit=100, **q)["events"]
         except ServerUnreachable as e:
             if args.once:
                 raise

@@ -134,8 +134,8 @@ def import_dir(client, directory, project, experiment="", name=None, progress=No
         points += _send(client, run_id, keys, batch)
     added = 0
     for path, step, epoch in ckpts:
-        c = client.register_checkpoint(run_id, path, step=step, epoch=epoch,
-                                       size_bytes=_size(path), source="import")
+        c = client.create_checkpoint(run_id, path, step=step, epoch=epoch,
+                                     size_bytes=_size(path), source="import")
         added += bool(c.get("created"))
     if created:
         client.finish_run(run_id, "SUCCEEDED")
@@ -152,7 +152,7 @@ def _send(client, run_id, keys, batch):
     used = sorted({p[0] for p in batch})
     names = {i: k for k, i in keys.items()}
     remap = {old: new for new, old in enumerate(used)}
-    client.log_metrics(run_id, [names[i] for i in used],
+    client.log_run_metrics(run_id, [names[i] for i in used],
                        [[remap[p[0]], p[1], p[2], p[3]] for p in batch])
     return len(batch)
 

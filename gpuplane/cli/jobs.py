@@ -1,4 +1,4 @@
-"""`gpuplane job submit|list|show|cancel|retry` and `gpuplane logs`."""
+"""`gpuplane job submit|list|show|cancel|retry|hold|release|edit` and `gpuplane logs`."""
 
 import argparse
 import json
@@ -6,10 +6,10 @@ import os
 import pathlib
 import shlex
 
-from .common import (EXIT_OK, CliError, FINAL_STATES, JOB_STATES, ago, clean_line, clock, command,
-                     command_text, describe_end, duration, env_pair, follow_job, gpu_list,
-                     job_id_type, make_client, note, outcome_code, parents, positive_int,
-                     print_json, print_table, wants)
+from .common import (EXIT_OK, CliError, FINAL_STATES, JOB_STATES, ago,
+                     clean_line, clock, command, command_text, describe_end, duration,
+                     env_pair, follow_job, gpu_list, job_id_type, make_client, note,
+                     outcome_code, parents, positive_int, print_json, print_table, wants)
 
 SUBMIT_EPILOG = """\
 examples:
@@ -170,9 +170,9 @@ def cmd_job_submit(args):
 
 
 def _placement_warning(client, job):
-    from gpuplane.client import ApiError
+    from gpuplane.client import ApiError, placement_warning
     try:
-        return client.placement_warning(job)
+        return placement_warning(job, client.list_nodes())
     except ApiError:
         return None     # a token that may submit but not look: no warning, no failure
 
@@ -310,7 +310,8 @@ def add_dependency_options(p):
 
 
 def cmd_job_hold(args):
-    job = make_client(args).hold_job(args.job_id, args.held)
+    client = make_client(args)
+    job = (client.hold_job if args.held else client.release_job)(args.job_id)
     if args.json:
         print_json(job)
     else:
@@ -322,8 +323,8 @@ def cmd_job_hold(args):
 def cmd_job_edit(args):
     if args.priority is None and args.after is None and args.after_any is None:
         raise CliError("nothing to change; give --priority, --after or --after-any")
-    job = make_client(args).edit_job(args.job_id, priority=args.priority, after=args.after,
-                                     after_any=args.after_any)
+    job = make_client(args).update_job(args.job_id, priority=args.priority, after=args.after,
+                                       after_any=args.after_any)
     if args.json:
         print_json(job)
     else:
@@ -338,14 +339,14 @@ def cmd_logs(args):
     client = make_client(args)
     if args.follow:
         if args.json:
-            for line in client.stream_logs(args.job_id, tail=args.tail):
+            for line in client.stream_job_logs(args.job_id, tail=args.tail):
                 print(json.dumps(line), flush=True)
             final = client.get_job(args.job_id)
         else:
             final = follow_job(client, args.job_id, tail=args.tail, colour=args.colour)
         note(describe_end(final))
         return outcome_code(final["state"])
-    answer = client.logs(args.job_id, tail=args.tail)
+    answer = client.get_job_logs(args.job_id, tail=args.tail)
     if args.json:
         print_json(answer)
         return EXIT_OK

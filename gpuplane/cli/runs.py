@@ -98,11 +98,11 @@ def _filters(args):
 def cmd_run_show(args):
     client = make_client(args)
     run = _resolve_run(client, args)
-    keys = client.run_metrics(run["id"])
+    keys = client.list_run_metrics(run["id"])
     hidden = [] if args.all_keys else [k for k in keys if k.get("duplicate_of")]
     keys = [k for k in keys if k not in hidden]
     for k in keys:
-        series = client.metric_series(run["id"], k["key"], max_points=SPARK_WIDTH)
+        series = client.get_run_metric(run["id"], k["key"], max_points=SPARK_WIDTH)
         k["sparkline"] = sparkline(series["points"])
     if args.json:
         print_json({"run": run, "metrics": keys})

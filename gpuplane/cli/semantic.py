@@ -31,7 +31,7 @@ def _actions(actions):
 
 
 def cmd_diagnose(args):
-    d = make_client(args).diagnose_run(args.run_id, key=args.key)
+    d = make_client(args).get_run_diagnosis(args.run_id, key=args.key)
     if args.json:
         print_json(d)
         return EXIT_OK
@@ -43,7 +43,7 @@ def cmd_diagnose(args):
 
 
 def cmd_explain(args):
-    e = make_client(args).explain_failure(args.job_id)
+    e = make_client(args).get_job_explanation(args.job_id)
     if args.json:
         print_json(e)
         return EXIT_OK

@@ -15,7 +15,7 @@ def add_parser(subparsers):
 
 
 def cmd_status(args):
-    status = make_client(args).status()
+    status = make_client(args).get_status()
     if args.json:
         print_json(status)
         return EXIT_OK
@@ -72,7 +72,7 @@ def cmd_status(args):
 
 def cmd_whoami(args):
     client = make_client(args)
-    me = client.whoami()
+    me = client.get_whoami()
     if args.json:
         print_json(me)
         return EXIT_OK

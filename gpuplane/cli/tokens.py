@@ -48,7 +48,7 @@ def cmd_token_create(args):
 
 
 def cmd_token_list(args):
-    tokens = make_client(args).tokens()
+    tokens = make_client(args).list_tokens()
     if args.json:
         print_json(tokens)
         return EXIT_OK

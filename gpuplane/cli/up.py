@@ -259,7 +259,7 @@ def _start_server(args, home, port, url, probe, env, children):
 
     def healthy():
         try:
-            return probe.health()
+            return probe.get_health()
         except (ServerUnreachable, ApiError):
             return None
 
@@ -335,7 +335,7 @@ def cmd_up(args):
 
     probe = Client(url, "-")
     try:
-        probe.health()
+        probe.get_health()
         raise CliError(f"a server already answers at {url}; use it, stop it, or pick "
                        "another --port")
     except (ServerUnreachable, ApiError):
@@ -361,7 +361,7 @@ def cmd_up(args):
         agent = _start_agent(url, home, name, fake_gpus, agent_token, env, children)
 
         def node_connected():
-            for node in client.nodes():
+            for node in client.list_nodes():
                 if node.get("name") == name and node.get("state") == "connected":
                     return node
             return None

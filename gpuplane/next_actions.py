@@ -1,0 +1,69 @@
+"""next_actions: the MCP tool calls an answer suggests, with their arguments filled in.
+
+Every suggestion, whether the server's semantic layer (gpuplane/semantic.py) makes it or
+gpuplane-mcp does (after a wait, a submit, an evaluation), is built by `action` here, and the
+ones about jobs are built by the functions below. tests/test_mcp.py checks each tool named
+against the MCP tool table (mcp_server.TOOLS) and that every argument it needs is filled.
+Pure functions of plain data: no I/O, nothing of the server or of mcp.
+"""
+
+FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def action(tool, why, **arguments):
+    """One suggested call: {"tool", "arguments", "why"}; arguments that are None are left
+    out (the tool's default applies)."""
+    return {"tool": tool, "arguments": {k: v for k, v in arguments.items() if v is not None},
+            "why": why}
+
+
+def after_job(job, timeout_s=300, until="end"):
+    """What to do with a job in the state it is in (get_job, wait_for_job)."""
+    state, job_id, run_id = job["state"], job["id"], job.get("run_id")
+    if state == "FAILED":
+        return [action("explain_failure", "find out why it failed", job_id=job_id)]
+    if state == "SUCCEEDED" and run_id:
+        return [action("diagnose_run", "judge the finished run", run_id=run_id),
+                action("list_checkpoints", "see what it saved", run_id=run_id)]
+    if state in FINAL:
+        return []
+    acts = []
+    if run_id and state == "RUNNING":
+        acts.append(action("diagnose_run", "judge the curves so far", run_id=run_id))
+    acts.append(action("wait_for_job", "keep waiting", job_id=job_id, timeout_s=timeout_s,
+                       until=until))
+    return acts
+
+
+def after_submit(job):
+    return [action("wait_for_job", "wait until it ends (or an event arrives)",
+                   job_id=job["id"], timeout_s=600)]
+
+
+def after_cancel(job):
+    return [action("wait_for_job", "wait until the cancel has taken effect",
+                   job_id=job["id"], timeout_s=30)]
+
+
+def after_retry(job):
+    return [action("wait_for_job", "wait for the new attempt", job_id=job["id"],
+                   timeout_s=600)]
+
+
+def after_evaluation(evaluation, checkpoint_run_id=None):
+    acts = []
+    if evaluation.get("job_id"):
+        acts.append(action("wait_for_job", "wait for the evaluation job; its results "
+                           "attach to the checkpoint", job_id=evaluation["job_id"],
+                           timeout_s=600))
+    if checkpoint_run_id:
+        acts.append(action("compare_checkpoints", "once evaluated, rankings use the "
+                           "evaluation", run_ids=[checkpoint_run_id]))
+    return acts
+
+
+def after_primary_metric(key, project=None, experiment=None):
+    if not project and not experiment:
+        return []
+    return [action("get_best_checkpoint", f"recommendations now rank by {key}",
+                   experiment=experiment, project=project)]
