@@ -188,3 +188,25 @@ def test_backup_agent_archives_a_running_host_and_restores(live_server, agent, t
 def test_backup_agent_of_a_home_without_an_agent_says_so(tmp_path):
     r = _cli("backup-agent", "-o", str(tmp_path / "x.tar.gz"), home=tmp_path / "empty")
     assert r.returncode == 1 and "no agent state" in r.stderr
+
+
+def test_restore_refused_whenever_the_home_lock_is_held_and_backups_hold_only_backups(
+        live_server):
+    """Issue 22: restore probed the port in server.toml, so a server started with another
+    --port (or --host) was missed and its database replaced under it. Now the home's
+    server.lock decides. And `gpuplane backup` left *.partial-wal / *.partial-shm."""
+    import re
+    from procs import free_port
+    toml = live_server.home / "server.toml"
+    toml.write_text(re.sub(r"(?m)^port = .*$", f"port = {free_port()}", toml.read_text()))
+    r = _cli("backup", "--keep", "3", home=live_server.home)
+    assert r.returncode == 0, r.stderr
+    backup.take(live_server.home, keep=3)
+    left = sorted(p.name for p in (live_server.home / "backups").iterdir())
+    assert len(left) == 2 and all(re.fullmatch(r"gpuctl-[0-9-]+\.db", n) for n in left), left
+    db = live_server.home / "server" / "gpuctl.db"
+    inode = db.stat().st_ino
+    r = _cli("restore", str(live_server.home / "backups" / left[0]), home=live_server.home)
+    assert r.returncode == 1 and "stop it first" in r.stderr and "server.lock" in r.stderr
+    assert db.stat().st_ino == inode            # not replaced under the running server
+    live_server.api.get("/api/v1/health", expect=200)

@@ -66,16 +66,28 @@ def cmd_backup(args):
 
 
 def cmd_restore(args):
+    import os
+
     from gpuplane.db import backup
+    from gpuplane.server import AlreadyRunning, lock_home
     home = _home(args)
-    running = _server_running(home)
-    if running:
-        raise CliError(f"a server is running on this home ({running}); stop it first "
-                       "(Ctrl-C on `gpuplane up`, or `systemctl --user stop gpuplane-server`)")
+    # The server holds <home>/server.lock (flock) for its whole life, whatever its --host
+    # or --port: a probe of the port in server.toml missed a server started with another
+    # one, and the database was replaced under it. The restore holds the lock itself, so
+    # no server can start on the home halfway through either.
+    try:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = lock_home(home)
+    except AlreadyRunning as e:
+        raise CliError(f"{e} (it holds {home / 'server.lock'}); stop it first (Ctrl-C on "
+                       "`gpuplane up`, or `systemctl --user stop gpuplane-server`); "
+                       "nothing was changed") from None
     try:
         info, kept = backup.restore(home, args.file)
     except backup.BackupError as e:
         raise CliError(f"{e}; nothing was changed") from None
+    finally:
+        os.close(lock)
     if args.json:
         print_json({**info, "previous": kept})
         return EXIT_OK
@@ -85,21 +97,6 @@ def cmd_restore(args):
         print(f"the database it replaced is kept as {kept}")
     print("start the server again: `gpuplane server` (or `gpuplane up`)")
     return EXIT_OK
-
-
-def _server_running(home):
-    """What shows a server on this home is up: it answers on the port in server.toml."""
-    import socket
-
-    from gpuplane.config import load_server_config
-    cfg = load_server_config(home)
-    host = cfg.get("host") or "127.0.0.1"
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    try:
-        with socket.create_connection((host, int(cfg["port"])), timeout=1):
-            return f"{host}:{cfg['port']}"
-    except OSError:
-        return None
 
 
 def cmd_backup_agent(args):

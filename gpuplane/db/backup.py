@@ -69,6 +69,9 @@ def take(home, keep=7, now=None):
         raise BackupError(f"no database at {src_path}; has a server run with this home?")
     out_dir = backup_dir(home)
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for side in [*out_dir.glob("*.partial-wal"), *out_dir.glob("*.partial-shm")]:
+        if not side.with_name(side.name[:-4]).exists():   # left by an older version
+            side.unlink(missing_ok=True)
     stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%d-%H%M%S-%f")
     final = out_dir / f"{PREFIX}{stamp}{SUFFIX}"
     tmp = final.with_name(final.name + ".partial")
@@ -80,24 +83,34 @@ def take(home, keep=7, now=None):
         dst = sqlite3.connect(str(tmp))
         try:
             src.backup(dst)          # one step: one consistent snapshot
+            # The copy comes in WAL mode (page 1 says so), and a WAL database opened
+            # read-only by check() below leaves -wal and -shm beside it, which the rename
+            # leaves behind as *.partial-wal / *.partial-shm. A backup is one file.
+            dst.execute("PRAGMA journal_mode=DELETE")
         finally:
             dst.close()
     except sqlite3.Error as e:
-        tmp.unlink(missing_ok=True)
+        _remove_partial(tmp)
         raise BackupError(f"backup of {src_path} failed: {e}") from None
     finally:
         src.close()
     try:
         info = check(tmp)
     except BackupError:
-        tmp.unlink(missing_ok=True)
+        _remove_partial(tmp)
         raise
+    _remove_partial(tmp, only_sidecars=True)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     info["path"] = str(final)
     prune(home, keep)
     return info
+
+
+def _remove_partial(tmp, only_sidecars=False):
+    for suffix in ("-wal", "-shm", "-journal") + (() if only_sidecars else ("",)):
+        pathlib.Path(str(tmp) + suffix).unlink(missing_ok=True)
 
 
 def list_backups(home):
