@@ -5,14 +5,59 @@ $GPUCTL_HOME/agent.toml (or GPUCTL_SERVER / GPUCTL_TOKEN in the environment) and
 `python agent.py`. It speaks only the wire protocol in docs/protocol.md and imports nothing
 of the server.
 
-Sections: config, small helpers, outbox, runner (launcher, log tail, TensorBoard and
-checkpoint hooks), shim, TensorBoard tailing, node stats, connection, agent + main.
+Contents (the section headers below, in order):
+
+    settings: every tunable, in one place
+    config: flags, the environment and agent.toml
+    small helpers and the thread shape (Worker)
+    outbox: one ordered, spooled, per-node sequence of records
+    attempts: a job's files, environment, command, exit and log lines
+    launcher: attempts start through the shim; their process trees are stopped
+    containers: a job with an image runs under the same shim as `docker run` (docs/docker.md)
+    hooks of a running attempt: log tail, TensorBoard, checkpoints
+    runner: start, watch, cancel and re-adopt job attempts
+    the shim: its own session, outlives the agent
+    TensorBoard tailing: TBTailer (see docs/tensorboard.md)
+    node stats: NVML (or fake GPUs) + psutil, as node_stats and per-run system metrics
+    connection: the one WebSocket to the server
+    agent + main
+    backup of an agent host: `gpuplane-agent backup FILE` (docs/operations.md)
+
+Threads and processes:
+
+    who                   owns                             woken by                 stops
+    main thread           the signal flags (main)          SIGTERM/SIGINT, through  after Agent.stop()
+                                                           a wakeup fd
+    runner (Runner)       every Attempt and all file work: a command, a waiter, an  stop(): flag + wake,
+                          launch, tail, TensorBoard,       ack, or its next due     join; then the shim's
+                          checkpoints, retention           attempt                  socket is closed
+    stats (StatsReporter) node_stats and per-run system    every stats_interval_s   stop(): flag + wake,
+                          metrics into the outbox                                   join
+    connection            the WebSocket; its sessions;     a session's end, then    stop(): flag + wake,
+      (Connection)        the sender of batches            the reconnect backoff;   socket closed, join
+                                                           in a session: an
+                                                           append, an ack, a resend
+    waiter, one per       Attempt.started and .shim_gone;  a line or EOF on the     EOF: the shim wrote
+      launched attempt    wakes the runner                 job's pipe from the shim `exit`, or died
+    reader, one per       applies the server's acks,       a frame from the server  its session ends
+      session             resends, starts and cancels
+    heartbeat, one per    the heartbeat timer; a silent    every heartbeat_s        its session ends
+      session             server ends the session
+    shim (a process:      starts every job (posix_spawn),  a request on its socket, EOF on its socket
+      shim_server)        waits for it, writes `pid` and   SIGCHLD (a wakeup fd)    (the agent went) and
+                          `exit`; outlives the agent                                no job left
+    job processes         the user's command, in its own   -                        exit; a cancel: SIGTERM
+                          session, output to its log                                to the group, SIGKILL
+
+Runner, stats and connection are Workers (one shape: start(), run() ticks, stop()); the
+waiters, readers and heartbeats are plain threads that end with what they serve.
 """
 import argparse
 import array
 import collections
 import errno
 import json
+import inspect
 import logging
 import marshal
 import math
@@ -34,16 +79,71 @@ VERSION = "0.1.0"
 log = logging.getLogger("gpuplane.agent")
 
 
-LINE_MAX = 16 * 1024              # longer log lines are cut here
-OOM_TAIL_BYTES = 64 * 1024
+# ---------------------------------------------------------------------------------------
+# settings: every tunable, in one place
+# ---------------------------------------------------------------------------------------
+# What a user sets (flags, agent.toml) has its default here and is checked by Config;
+# the rest is fixed for the file (tests shrink some of them).
+
+# agent.toml and command-line defaults (Config)
+DEFAULT_CPU_SLOTS = 4
+DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_STATS_INTERVAL_S = 10.0
+DEFAULT_RETENTION_DAYS = 14.0     # a reported attempt's files are kept this long
+DEFAULT_BACKLOG_MB = 32.0         # per attempt: unacked log + metric bytes in the spool
+
+# outbox and connection
 BATCH_MAX_RECORDS = 500
 BATCH_MAX_BYTES = 1024 * 1024
-COMPACT_BYTES = 8 * 1024 * 1024     # acked bytes at the spool's head worth a rewrite
-ACK_TIMEOUT_S = 15.0
-KILL_GRACE_S = 5.0
+COMPACT_BYTES = 8 * 1024 * 1024   # acked bytes at the spool's head worth a rewrite ...
+COMPACT_MIN_RECORDS = 1000        # ... or acked lines there
+ACK_TIMEOUT_S = 15.0              # a batch unacked this long: reconnect (and the welcome wait)
+HEARTBEAT_MISSES = 3              # heartbeats the server leaves unanswered: the path is dead
+RECONNECT_MIN_S = 0.5             # reconnect backoff: from here, doubled up to ...
+RECONNECT_MAX_S = 15.0
+RECONNECT_RESET_S = 30.0          # ... a session that lasted this long starts it afresh
+
+# launching and stopping jobs
+KILL_GRACE_S = 5.0                # SIGTERM, then SIGKILL after this
 LAUNCH_GRACE_S = 10.0             # a half-made attempt dir younger than this may still launch
 SHIM_REPLY_TIMEOUT_S = 10.0       # the shim answers a launch with the job's pid
 SHIM_RECORD_MAX = 64 * 1024       # a bigger exec record goes through spec.json
+CONTAINER_SDK_DIR = "/opt/gpuctl-sdk"   # where a container job finds the SDK
+
+# the runner's timing
+LOG_POLL_MIN_S = 0.05             # a busy log is read this often ...
+LOG_POLL_MAX_S = 1.0              # ... a quiet one backs off to this
+ADOPTED_CHECK_S = 1.0             # liveness of jobs we did not launch (no waiter): polled
+IDLE_WAKE_S = 30.0                # nothing running: wake this often anyway (retention, ...)
+HOOK_INTERVAL_S = 2.0             # TensorBoard and checkpoint looks at a running attempt
+RETENTION_CHECK_S = 3600.0        # old attempts' files are looked for this often
+RECHECK_S = 0.1                   # an attempt inside a cancel's grace or a drain: looked at again
+BACKLOG_WAIT_S = 0.5              # an ended attempt waits this long for acks, then looks again
+RUNNER_ERROR_WAIT_S = 1.0         # after a failed tick or a failed look at an attempt
+
+# log lines
+LINE_MAX = 16 * 1024              # longer log lines are cut here
+LOG_READ_BYTES = 4 * 1024 * 1024  # read from one log in one look
+LOG_RECORD_LINES = 1000           # lines ...
+LOG_RECORD_BYTES = 256 * 1024     # ... or bytes in one `log` record
+BACKLOG_MAX_BYTES = int(DEFAULT_BACKLOG_MB * 2**20)
+OOM_TAIL_BYTES = 64 * 1024        # the end of a log searched for an out-of-memory error
+
+# TensorBoard tailing
+TB_RESCAN_S = 3.0                 # the tree is walked for new event files this often
+TB_MAX_POINTS = 200_000           # points one poll hands out at most
+TB_RECORD_POINTS = 5000           # points in one `metrics` record
+_TB_CHUNK = 4 << 20               # bytes read per system call
+_TB_HUGE_RECORD = 16 << 20        # larger records (graphs, big images) are skipped unread
+
+# checkpoints
+CKPT_INTERVAL_S = 5.0
+CKPT_MAX_DEPTH = 4                # levels below the watch dir
+CKPT_MAX_ENTRIES = 20_000         # directory entries looked at per scan
+CKPT_DIR_MAX_ENTRIES = 2_000      # entries summed for one checkpoint directory
+
+FAKE_GPU_MEM_MB = 24576           # the memory of a fake GPU (--fake-gpus)
+
 SDK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk")
 
 OOM_PATTERNS = re.compile(
@@ -53,7 +153,7 @@ OOM_PATTERNS = re.compile(
 
 
 # ---------------------------------------------------------------------------------------
-# config
+# config: flags, the environment and agent.toml
 # ---------------------------------------------------------------------------------------
 
 class ConfigError(Exception):
@@ -76,9 +176,10 @@ def _number(key, value, kind, minimum):
 
 
 class Config:
-    def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=4,
-                 heartbeat_s=5.0, stats_interval_s=10.0, job_retention_days=14.0,
-                 backlog_mb=32.0, default_image=None, docker_args=(), docker="docker"):
+    def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=DEFAULT_CPU_SLOTS,
+                 heartbeat_s=DEFAULT_HEARTBEAT_S, stats_interval_s=DEFAULT_STATS_INTERVAL_S,
+                 job_retention_days=DEFAULT_RETENTION_DAYS, backlog_mb=DEFAULT_BACKLOG_MB,
+                 default_image=None, docker_args=(), docker="docker"):
         self.server = server
         self.token = token
         self.name = name
@@ -153,18 +254,19 @@ def load_config(args):
     return Config(server=server, token=token,
                   name=pick(args.name, "name") or socket.gethostname(), home=home,
                   fake_gpus=pick(args.fake_gpus, "fake_gpus", 0),
-                  cpu_slots=pick(args.cpu_slots, "cpu_slots", 4),
-                  heartbeat_s=pick(args.heartbeat, "heartbeat_s", 5.0),
-                  stats_interval_s=pick(args.stats_interval, "stats_interval_s", 10.0),
-                  job_retention_days=toml.get("job_retention_days", 14.0),
-                  backlog_mb=toml.get("backlog_mb", 32.0),
+                  cpu_slots=pick(args.cpu_slots, "cpu_slots", DEFAULT_CPU_SLOTS),
+                  heartbeat_s=pick(args.heartbeat, "heartbeat_s", DEFAULT_HEARTBEAT_S),
+                  stats_interval_s=pick(args.stats_interval, "stats_interval_s",
+                                        DEFAULT_STATS_INTERVAL_S),
+                  job_retention_days=toml.get("job_retention_days", DEFAULT_RETENTION_DAYS),
+                  backlog_mb=toml.get("backlog_mb", DEFAULT_BACKLOG_MB),
                   default_image=pick(args.default_image, "default_image"),
                   docker_args=pick(args.docker_args, "docker_args", []),
                   docker=toml.get("docker", "docker"))
 
 
 # ---------------------------------------------------------------------------------------
-# small helpers
+# small helpers and the thread shape (Worker)
 # ---------------------------------------------------------------------------------------
 
 def now_ms():
@@ -172,8 +274,8 @@ def now_ms():
 
 
 def write_json_atomic(path, obj, private=True):
-    """tmp file, fsync, rename; the one copy lives in SHIM_SOURCE (the shim needs it too).
-    Every file under the agent's home is private to its user."""
+    """tmp file, fsync, rename: the shim's _shim_write (the shim needs it too). Every file
+    under the agent's home is private to its user."""
     _shim_write(path, json.dumps(obj), 0o600)
 
 
@@ -231,27 +333,59 @@ def proc_alive(pid, create_time):
 
 
 class Worker:
-    """A background thread: the subclass's tick() every `interval` seconds until stop()."""
+    """The agent's thread shape (runner, stats, connection): start() runs a thread that
+    waits `begin()` seconds, then calls tick() until stop(), waiting between ticks for
+    the seconds tick() returns (None: `interval`; after an exception: `interval` too),
+    or less when wake() or stop() is called.
+
+    stop() sets the flag, wakes the wait, calls `stopping()` (a subclass's way to end a
+    tick that is blocked elsewhere: a socket, another event) and joins. (The server has a
+    Worker of its own, in gpuplane/; the agent imports nothing of the server.)"""
     interval = 1.0
     name = "worker"
 
     def __init__(self):
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = None
 
     def start(self):
         self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
         self._thread.start()
 
+    def begin(self):
+        """On the thread, before the first tick. -> seconds to wait before it."""
+        return self.interval
+
+    def tick(self):
+        """One round of work. -> seconds until the next, or None for `interval`."""
+        raise NotImplementedError
+
     def run(self):
-        while not self._stop.wait(self.interval):
+        timeout = self.begin()
+        while True:
+            if self._wake.wait(timeout):
+                self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                self.tick()
+                timeout = self.tick()
             except Exception:
                 log.exception("%s: tick failed", self.name)
+                timeout = None
+            if timeout is None:
+                timeout = self.interval
+
+    def wake(self):
+        self._wake.set()
+
+    def stopping(self):
+        """Called by stop() after the flag is set and the wait woken (any thread)."""
 
     def stop(self, timeout=10.0):
         self._stop.set()
+        self._wake.set()
+        self.stopping()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -284,7 +418,7 @@ def _spool_line(rec, att):
 
 
 class Outbox:
-    def __init__(self, agent_dir, compact_min=1000):
+    def __init__(self, agent_dir, compact_min=COMPACT_MIN_RECORDS):
         self.dir = agent_dir
         self.spool_dir = os.path.join(agent_dir, "spool")
         self.spool_path = os.path.join(self.spool_dir, "outbox.jsonl")
@@ -587,18 +721,13 @@ class Outbox:
 
 
 # ---------------------------------------------------------------------------------------
-# runner: start, watch, cancel and re-adopt job attempts
+# attempts: a job's files, environment, command, exit and log lines
 # ---------------------------------------------------------------------------------------
 #
 # agent/jobs/<job>/<attempt>/ holds spec.json (the start command and the resolved exec),
 # launch.json (the shim's pid), pid (the command's pid + start time, written by the shim),
 # log, exit (written by the shim), cancel (the time a cancel was asked for) and reported
 # (the final record, once it is in the outbox).
-#
-# One thread, the runner's, owns every Attempt and does all of the file work (launching,
-# tailing, TensorBoard parsing, checkpoint scans). Other threads hand it commands through
-# a queue and read a small published view (`Runner.view`) under a lock that is only ever
-# held to swap a dict: the connection thread never waits for a file or a parse.
 
 # Variables of the agent's environment a job never inherits: the agent's own settings
 # (the token among them) and the shim's.
@@ -745,8 +874,11 @@ def split_log(data, skip, at_eof):
 
 
 class Attempt:
-    """One (job, attempt): what the runner thread knows about it. Only that thread
-    touches it."""
+    """One (job, attempt): what the agent knows about it. The runner thread owns it and
+    is the only one to read or write it, except for two flags its waiter thread sets
+    (Launcher._wait): `started` (the shim's line: the command runs) and `shim_gone` (EOF:
+    the shim wrote `exit` or died). Each is a bool set once, from False to True, and the
+    waiter wakes the runner after setting it; the runner only reads them."""
 
     def __init__(self, job_id, attempt, path, spec=None):
         self.job_id, self.attempt, self.dir = int(job_id), int(attempt), path
@@ -815,6 +947,10 @@ class Attempt:
             return None
         return os.path.normpath(os.path.join(self.working_dir, rel))
 
+
+# ---------------------------------------------------------------------------------------
+# launcher: attempts start through the shim; their process trees are stopped
+# ---------------------------------------------------------------------------------------
 
 class Launcher:
     """Starts attempts through the shim and stops their process trees (SIGTERM to the
@@ -899,10 +1035,8 @@ class Launcher:
         if reply.startswith("refused"):
             # the shim is fine and runs nothing for it: the attempt failed to dispatch
             if read_json(att.file("exit")) is None:
-                write_json_atomic(att.file("exit"), {
-                    "exit_code": None, "signal": None, "ended_at": now_ms(),
-                    "failure_kind": "DISPATCH_FAILED",
-                    "message": f"the job's shim could not start it: {reply}"})
+                write_exit(att.dir, failure_kind="DISPATCH_FAILED",
+                           message=f"the job's shim could not start it: {reply}")
         else:
             self._retire()          # gone or stuck: the next job gets a new shim
 
@@ -1018,7 +1152,6 @@ def _killpg(pgid, sig):
 # SIGKILL after the grace), and an exit is checked for the OOM killer before the
 # container is removed.
 
-CONTAINER_SDK_DIR = "/opt/gpuctl-sdk"
 _DOCKER_ERROR_CODE = 125      # `docker run` itself failed: no container ran
 
 
@@ -1160,6 +1293,10 @@ class Docker:
         return exit_info
 
 
+# ---------------------------------------------------------------------------------------
+# hooks of a running attempt: log tail, TensorBoard, checkpoints
+# ---------------------------------------------------------------------------------------
+
 class LogTail:
     """Turns new bytes of the attempt's log into `log` records. -> poll() says whether it
     found anything, so the runner can look less often at a quiet log."""
@@ -1200,7 +1337,7 @@ class LogTail:
             text = raw.decode("utf-8", "replace")
             chunk.append([self.line_no, ts, text])
             size += len(text) + 32
-            if len(chunk) >= 1000 or size >= 256 * 1024 or i == len(items) - 1:
+            if len(chunk) >= LOG_RECORD_LINES or size >= LOG_RECORD_BYTES or i == len(items) - 1:
                 emit("log", {"job_id": att.job_id, "attempt": att.attempt, "lines": chunk},
                      {"key": att.key, "offset": base + end, "line_no": self.line_no,
                       "skip": skip_after}, size)
@@ -1226,9 +1363,10 @@ class TensorBoardHook:
             self.tailer = TBTailer(root, att.received_at / 1000.0, dict(self.offsets))
         # After the exit: look for files written since the last walk.
         points = self.tailer.poll(rescan=final)
-        for i in range(0, len(points), 5000):
-            chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + 5000]]
-            last = i + 5000 >= len(points)
+        n = TB_RECORD_POINTS
+        for i in range(0, len(points), n):
+            chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + n]]
+            last = i + n >= len(points)
             # offsets ride on the last chunk only: a crash in between re-reads the poll,
             # and the server's (run, key, step) upsert absorbs the repeat
             emit("metrics", {"run_id": att.run_id, "source": "tb", "points": chunk},
@@ -1245,11 +1383,6 @@ class TensorBoardHook:
 # it is registered once its signature (size + mtime; for a directory: file count, total
 # size and newest mtime of what is inside) is the same on two scans in a row, or on the
 # final scan after the job's process is gone (nothing writes it any more).
-
-CKPT_INTERVAL_S = 5.0
-CKPT_MAX_DEPTH = 4            # levels below the watch dir
-CKPT_MAX_ENTRIES = 20_000     # directory entries looked at per scan
-CKPT_DIR_MAX_ENTRIES = 2_000  # entries summed for one checkpoint directory
 
 _CKPT_HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 _CKPT_FORMATS = {"safetensors": "safetensors", "ckpt": "lightning", "pth": "pt", "pt": "pt",
@@ -1430,14 +1563,14 @@ class CheckpointHook:
         return f"dir:{count}-{size}-{newest}", size
 
 
-# -- the runner ----------------------------------------------------------------------------
-
-LOG_POLL_MIN_S = 0.05         # a busy log is read this often ...
-LOG_POLL_MAX_S = 1.0          # ... a quiet one backs off to this
-ADOPTED_CHECK_S = 1.0         # liveness of jobs we did not launch (no waiter): polled
-IDLE_WAKE_S = 30.0            # nothing running: wake this often anyway (retention, ...)
-LOG_READ_BYTES = 4 * 1024 * 1024
-BACKLOG_MAX_BYTES = 32 * 1024 * 1024   # per attempt: unacked log + metric bytes in the spool
+# ---------------------------------------------------------------------------------------
+# runner: start, watch, cancel and re-adopt job attempts
+# ---------------------------------------------------------------------------------------
+#
+# One thread, the runner's, owns every Attempt and does all of the file work (launching,
+# tailing, TensorBoard parsing, checkpoint scans). Other threads hand it commands through
+# a queue and read a small published view (`Runner.view`) under a lock that is only ever
+# held to swap a dict: the connection thread never waits for a file or a parse.
 
 
 class AttemptDirs:
@@ -1497,6 +1630,10 @@ class AttemptDirs:
         return removed
 
 
+JOB_RECORD_FIELDS = ("job_id", "attempt", "state", "pid", "exit_code", "signal",
+                     "failure_kind", "message")
+
+
 class Reporter:
     """The records an attempt puts in the outbox, and the cap on how many of its log and
     metric bytes may wait there unacked (the server may be away; the job's own files keep
@@ -1521,19 +1658,21 @@ class Reporter:
             self.held_back = True
         return min(LOG_READ_BYTES, max(room, 0))
 
+    @staticmethod
+    def job_record(att, state, exit_info=None, kind=None, message=None):
+        """A `job` record (docs/protocol.md): RUNNING, or EXITED with how it ended."""
+        exit_info = exit_info or {}
+        return {"job_id": att.job_id, "attempt": att.attempt, "state": state,
+                "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
+                "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
+
     def running(self, att):
-        info = att.pid()
-        self.outbox.append("job", {
-            "job_id": att.job_id, "attempt": att.attempt, "state": "RUNNING",
-            "pid": info.get("pid"), "exit_code": None, "signal": None,
-            "failure_kind": None, "message": None},
-            att={"key": att.key, "running": True})
+        self.outbox.append("job", self.job_record(att, "RUNNING"),
+                           att={"key": att.key, "running": True})
         att.running_reported = True
 
     def final(self, att, kind, message, exit_info):
-        rec = {"job_id": att.job_id, "attempt": att.attempt, "state": "EXITED",
-               "pid": (att.pid() or {}).get("pid"), "exit_code": exit_info.get("exit_code"),
-               "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
+        rec = self.job_record(att, "EXITED", exit_info, kind, message)
         self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
                                                   "record": rec})
         write_json_atomic(att.file("reported"), rec)
@@ -1547,17 +1686,17 @@ class Reporter:
         """A start or cancel for an attempt that has ended: say how it ended once more."""
         rec = read_json(os.path.join(path, "reported"))
         if rec:
-            fields = {k: rec[k] for k in ("job_id", "attempt", "state", "pid", "exit_code",
-                                          "signal", "failure_kind", "message") if k in rec}
+            fields = {k: rec[k] for k in JOB_RECORD_FIELDS if k in rec}
             self.outbox.append("job", fields)
 
 
 class Runner(Worker):
     name = "gpuplane-agent-runner"
+    interval = RUNNER_ERROR_WAIT_S      # tick() says when it is due; this only after a failure
 
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
-                 hook_interval_s=2.0, secrets=(),
-                 backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=14.0,
+                 hook_interval_s=HOOK_INTERVAL_S, secrets=(),
+                 backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=DEFAULT_RETENTION_DAYS,
                  ckpt_interval_s=CKPT_INTERVAL_S, docker=None):
         super().__init__()
         self.docker = docker or Docker(socket.gethostname())
@@ -1571,8 +1710,7 @@ class Runner(Worker):
         self.secrets = tuple(s for s in secrets if s)
         self.inherited_env = inherited_environment(self.secrets)   # read once: it is fixed
         self.retention_days = retention_days
-        self._wake = threading.Event()
-        self.launcher = Launcher(kill_grace_s, self._wake.set,
+        self.launcher = Launcher(kill_grace_s, self.wake,
                                  os.path.join(self.jobs_dir, "shim.err"))
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
@@ -1658,30 +1796,18 @@ class Runner(Worker):
     def handle_cancel(self, msg, wait=False):
         self.submit(dict(msg, type="cancel"), wait)
 
-    def wake(self):
-        self._wake.set()
-
     def stop(self, timeout=10.0):
-        self._stop.set()
-        self._wake.set()
         super().stop(timeout)
-        self.launcher.close()
+        self.launcher.close()       # after the join: no launch is under way
 
     # -- the loop (runner thread) ----------------------------------------------------------
 
-    def run(self):
+    def begin(self):
         try:
             self.launcher.warm()
         except OSError as e:        # the first launch tries again
             log.error("cannot start the shim: %s", e)
-        while not self._stop.is_set():
-            try:
-                timeout = self.tick()
-            except Exception:
-                log.exception("%s: tick failed", self.name)
-                timeout = 1.0
-            if self._wake.wait(timeout):
-                self._wake.clear()
+        return 0.0
 
     def tick(self):
         """Commands, then every attempt that is due. -> seconds until something is due."""
@@ -1693,13 +1819,13 @@ class Runner(Worker):
                 due = min(due, self._tick_attempt(att))
             except Exception:
                 log.exception("job %s attempt %s: watch failed", att.job_id, att.attempt)
-                due = min(due, now + 1.0)
+                due = min(due, now + RUNNER_ERROR_WAIT_S)
             if att.final:
                 self.active.pop(key, None)
             self._run_commands()        # a start never waits behind another job's backlog
         self._publish()
         if now >= self._next_retention:
-            self._next_retention = now + 3600
+            self._next_retention = now + RETENTION_CHECK_S
             self.remove_old_attempts()
         return max(0.0, due - time.monotonic())
 
@@ -1777,9 +1903,7 @@ class Runner(Worker):
             spec["exec"] = None
             write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
             open(os.path.join(path, "log"), "ab", opener=_private_opener).close()
-            write_json_atomic(os.path.join(path, "exit"), {
-                "exit_code": None, "signal": None, "ended_at": now_ms(),
-                "failure_kind": "DISPATCH_FAILED", "message": str(e)}, private=True)
+            write_exit(path, failure_kind="DISPATCH_FAILED", message=str(e))
             log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
         else:
             write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
@@ -1810,7 +1934,7 @@ class Runner(Worker):
         """Look at one attempt; -> monotonic time it wants looking at again."""
         now = time.monotonic()
         if att.draining or att.final:   # a cancel arriving while its backlog drains
-            return now + 0.1
+            return now + RECHECK_S
         emit = self.reporter.emitter(att)
         if att.pid() and not att.running_reported:
             self.reporter.running(att)
@@ -1830,17 +1954,16 @@ class Runner(Worker):
             att.container_stop_sent = True
             self.docker.stop(att.container, self.kill_grace_s)
         if cancel is not None and not self.launcher.enforce_cancel(att, cancel):
-            return now + 0.1            # inside the grace period with survivors
+            return now + RECHECK_S      # inside the grace period with survivors
         exit_info = read_json(att.file("exit"))
         if exit_info is None:
             if self.launcher.shim_alive(att) or att.command_alive():
                 return self._next_look(att, now, got_lines)
             exit_info = read_json(att.file("exit"))   # the shim may have just finished
             if exit_info is None:
-                exit_info = {"exit_code": None, "signal": None, "ended_at": now_ms(),
-                             "failure_kind": "LOST",
-                             "message": "the job's shim vanished without an exit status "
-                                        "(host reboot or killed)"}
+                exit_info = exit_record(failure_kind="LOST",
+                                        message="the job's shim vanished without an exit "
+                                                "status (host reboot or killed)")
         if att.pid() and not att.running_reported:
             self.reporter.running(att)     # a fast job: say it ran before its lines
         att.draining = True
@@ -1849,7 +1972,7 @@ class Runner(Worker):
         finally:
             att.draining = False
         if not drained:
-            return now + 0.5            # the server has a backlog to ack first
+            return now + BACKLOG_WAIT_S   # the server has a backlog to ack first
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
 
@@ -1958,14 +2081,11 @@ class Runner(Worker):
 
 # The shim is one process per agent (`shim_server_command`, see Launcher) that starts and
 # waits for every job; one attempt can also run alone as `python -I -S -c SHIM_SOURCE DIR`
-# (`shim_command`, or `agent.py _shim DIR`). Neither imports this file: the same text
-# defines shim_main in this module, so there is one copy of it. The shim starts with an
+# (`shim_command`, or `agent.py _shim DIR`). Neither imports this file: SHIM_SOURCE is the
+# source of the functions below (inspect.getsource), which are also this module's own, so
+# there is one copy of them, linted and tested like the rest. The shim starts with an
 # environment of its own (shim_environment), so a job cannot read the agent's through
 # /proc/PID/environ; the job's environment and command come with its exec record.
-SHIM_SOURCE = r"""
-import json, marshal, os, signal, sys, time
-
-
 def _shim_write(path, text, mode=0o600):
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -1977,7 +2097,7 @@ def _shim_write(path, text, mode=0o600):
     os.replace(tmp, path)
 
 
-_btime = []        # the boot time, read once
+_btime = []        # the boot time, read once (the shim's own copy: SHIM_PRELUDE)
 
 
 def _shim_ctime(pid):
@@ -2001,10 +2121,6 @@ def _shim_ctime(pid):
             return None
 
 
-def _now_ms():
-    return int(time.time() * 1000)
-
-
 def _shim_start(path, packed, shim_pid):
     # Start the attempt in `path`: read its exec record (marshal, or spec.json), spawn its
     # command, write `pid`. -> the command's pid; else `exit` says why it did not start:
@@ -2013,7 +2129,7 @@ def _shim_start(path, packed, shim_pid):
     try:
         def fail(msg):
             os.write(log_fd, f"gpuplane: {msg}\n".encode("utf-8", "backslashreplace"))
-            _shim_end(path, {"failure_kind": "DISPATCH_FAILED", "message": msg})
+            write_exit(path, failure_kind="DISPATCH_FAILED", message=msg)
             return False
 
         try:
@@ -2026,7 +2142,7 @@ def _shim_start(path, packed, shim_pid):
         except (OSError, ValueError, EOFError, KeyError, TypeError) as e:
             return fail(f"the agent's start record for this job is unreadable: {e}")
         if os.path.exists(os.path.join(path, "cancel")):
-            return _shim_end(path, {"message": "cancelled before start"})
+            return write_exit(path, message="cancelled before start")
         try:
             os.chdir(cwd)
             # posix_spawn, not subprocess: the same fork + exec without its imports; its
@@ -2056,9 +2172,16 @@ def _shim_start(path, packed, shim_pid):
     return pid
 
 
-def _shim_end(path, record):
-    _shim_write(os.path.join(path, "exit"), json.dumps(
-        {"exit_code": None, "signal": None, "ended_at": _now_ms(), **record}))
+def exit_record(**fields):
+    """An attempt's `exit` file: its exit status, when it ended, and why it failed where
+    it did (failure_kind, message). Built only here: the shim writes it, and the agent
+    for an attempt that never ran or whose shim vanished."""
+    return {"exit_code": None, "signal": None, "ended_at": now_ms(), **fields}
+
+
+def write_exit(path, **fields):
+    """Write the attempt dir's `exit` file (exit_record(**fields)), atomically."""
+    _shim_write(os.path.join(path, "exit"), json.dumps(exit_record(**fields)))
 
 
 def _shim_status(status):
@@ -2079,7 +2202,7 @@ def shim_main(path):
     pid = _shim_start(path, None, os.getpid())
     if not pid:
         return 1 if pid is False else 0
-    _shim_end(path, _shim_status(os.waitpid(pid, 0)[1]))
+    write_exit(path, **_shim_status(os.waitpid(pid, 0)[1]))
     return 0
 
 
@@ -2132,7 +2255,7 @@ def shim_server():
             if path is None:
                 continue
             try:
-                _shim_end(path, _shim_status(status))
+                write_exit(path, **_shim_status(status))
             except OSError:
                 traceback.print_exc()
             os.close(pipe)          # the agent's waiter sees EOF: look at `exit`
@@ -2163,8 +2286,8 @@ def shim_server():
         except Exception as e:
             traceback.print_exc()
             try:
-                _shim_end(path, {"failure_kind": "DISPATCH_FAILED",
-                                 "message": f"the job's shim could not start it: {e}"})
+                write_exit(path, failure_kind="DISPATCH_FAILED",
+                           message=f"the job's shim could not start it: {e}")
             except OSError:
                 pass
             pid = None
@@ -2179,11 +2302,21 @@ def shim_server():
             pass
         reply(b"pid %d" % pid)
     return 0
+
+
+# The functions above are the shim's whole program, in this order; each is also an
+# ordinary function of this module (the agent writes `exit` files with them too).
+SHIM_FUNCTIONS = (_shim_write, _shim_ctime, now_ms, exit_record, write_exit, _shim_start,
+                  _shim_status, _shim_quiet, shim_main, shim_server)
+# What the functions need besides themselves: the stdlib modules at the top of this file
+# and _btime (inside shim_server and _shim_ctime: select, socket, traceback, psutil).
+SHIM_PRELUDE = """\
+import json, marshal, os, signal, sys, time
+
+_btime = []
 """
-_shim_ns = {}
-exec(SHIM_SOURCE, _shim_ns)
-shim_main = _shim_ns["shim_main"]
-_shim_write = _shim_ns["_shim_write"]
+SHIM_SOURCE = SHIM_PRELUDE + "".join(
+    "\n\n" + inspect.getsource(f) for f in SHIM_FUNCTIONS)
 
 
 def shim_command():
@@ -2230,8 +2363,6 @@ def _tb_load():
 
 tb_log = logging.getLogger("gpuplane.agent.tb")
 
-_TB_CHUNK = 4 << 20          # bytes read per system call
-_TB_HUGE_RECORD = 16 << 20   # larger records (graphs, big images) are skipped unread: never scalars
 _TB_HEADER = struct.Struct("<QI")
 _TB_U32 = struct.Struct("<I")
 _TB_F32 = struct.Struct("<f")
@@ -2301,8 +2432,8 @@ class TBTailer:
     after a restart to carry on exactly where the last poll stopped.
     """
 
-    def __init__(self, root_dir, started_after_ts=None, offsets=None, *, rescan_s=3.0,
-                 max_points=200_000):
+    def __init__(self, root_dir, started_after_ts=None, offsets=None, *, rescan_s=TB_RESCAN_S,
+                 max_points=TB_MAX_POINTS):
         _tb_load()
         self.root = os.path.abspath(root_dir)
         self.started_after_ts = started_after_ts
@@ -2492,8 +2623,6 @@ class TBTailer:
 # ---------------------------------------------------------------------------------------
 
 class GpuProbe:
-    FAKE_MEM_MB = 24576
-
     def __init__(self, fake_gpus=0, node=None):
         self.fake = int(fake_gpus)
         self.node = node or socket.gethostname()
@@ -2514,7 +2643,7 @@ class GpuProbe:
 
     def facts(self):
         if self.fake:
-            return [{"index": i, "name": f"Fake GPU {i}", "memory_total_mb": self.FAKE_MEM_MB,
+            return [{"index": i, "name": f"Fake GPU {i}", "memory_total_mb": FAKE_GPU_MEM_MB,
                      "uuid": f"FAKE-{self.node}-{i}", "fake": True}
                     for i in range(self.fake)]
         out = []
@@ -2537,9 +2666,9 @@ class GpuProbe:
                 held = i in busy
                 util = random.uniform(75, 98) if held else random.uniform(0, 3)
                 out.append({"index": i, "util": round(util, 1),
-                            "mem_used_mb": int(self.FAKE_MEM_MB *
+                            "mem_used_mb": int(FAKE_GPU_MEM_MB *
                                                (random.uniform(0.55, 0.8) if held else 0.012)),
-                            "mem_total_mb": self.FAKE_MEM_MB,
+                            "mem_total_mb": FAKE_GPU_MEM_MB,
                             "temp_c": round(35 + util * 0.4 + random.uniform(-1, 1), 1),
                             "power_w": round(30 + util * 2.5, 1), "fake": True})
             return out
@@ -2567,7 +2696,7 @@ class GpuProbe:
 class StatsReporter(Worker):
     name = "gpuplane-agent-stats"
 
-    def __init__(self, outbox, runner, probe, home, interval=10.0):
+    def __init__(self, outbox, runner, probe, home, interval=DEFAULT_STATS_INTERVAL_S):
         super().__init__()
         self.outbox, self.runner, self.probe, self.home = outbox, runner, probe, home
         self.interval = interval
@@ -2668,46 +2797,47 @@ class _Session:
         self.ended.set()
 
 
-class Connection:
+class Connection(Worker):
+    """A tick is one session (hello, welcome, then batches until it ends); the wait
+    between ticks is the reconnect backoff. Within a session the sender waits on `_ready`
+    (the outbox grew, an ack or resend came, or stop), so appends never cut the backoff
+    short."""
     name = "gpuplane-agent-connection"
 
     def __init__(self, config, outbox, runner, probe, ack_timeout_s=ACK_TIMEOUT_S):
+        super().__init__()
         self.config, self.outbox, self.runner, self.probe = config, outbox, runner, probe
         self.url = ws_url(config.server)
         self.heartbeat_s = config.heartbeat_s
         self.ack_timeout_s = ack_timeout_s
-        self._stop = threading.Event()
-        self._thread = None
         self._ws = None
         self.connected = threading.Event()   # set while a session is welcomed
         self.synced = threading.Event()      # set once sync went out on this session
-        self._wake = threading.Event()       # the outbox grew, an ack came, or stop
+        self._ready = threading.Event()      # the outbox grew, an ack came, or stop
         self._send_lock = threading.Lock()
-        outbox.listeners.append(self._wake.set)
+        self._delay = RECONNECT_MIN_S
+        outbox.listeners.append(self._ready.set)
 
-    def start(self):
-        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
-        self._thread.start()
+    def begin(self):
+        return 0.0
 
-    def run(self):
-        delay = 0.5
-        while not self._stop.is_set():
-            began = time.monotonic()
-            try:
-                self._session()
-            except Exception as e:
-                if not self._stop.is_set():
-                    self._log_failure(e)
-            finally:
-                self.connected.clear()
-                self.synced.clear()
-                self._close()
-            if self._stop.is_set():
-                break
-            if time.monotonic() - began > 30:
-                delay = 0.5
-            self._stop.wait(delay * random.uniform(0.5, 1.0) + random.uniform(0, 0.25))
-            delay = min(delay * 2, 15.0)
+    def tick(self):
+        """One session. -> the backoff before the next."""
+        began = time.monotonic()
+        try:
+            self._session()
+        except Exception as e:
+            if not self._stop.is_set():
+                self._log_failure(e)
+        finally:
+            self.connected.clear()
+            self.synced.clear()
+            self._close()
+        if time.monotonic() - began > RECONNECT_RESET_S:
+            self._delay = RECONNECT_MIN_S
+        wait = self._delay * random.uniform(0.5, 1.0) + random.uniform(0, 0.25)
+        self._delay = min(self._delay * 2, RECONNECT_MAX_S)
+        return wait
 
     def _log_failure(self, e):
         from simple_websocket import ConnectionClosed
@@ -2815,7 +2945,7 @@ class Connection:
     def _sender(self, sess):
         backlog = self.outbox.last_seq
         while True:
-            self._wake.clear()
+            self._ready.clear()
             if self._stop.is_set() or sess.ended.is_set():
                 return
             now = time.monotonic()
@@ -2843,7 +2973,7 @@ class Connection:
                 return
             else:
                 timeout = sess.deadline - now
-            self._wake.wait(timeout)
+            self._ready.wait(timeout)
 
     def _reader(self, sess):
         try:
@@ -2863,7 +2993,7 @@ class Connection:
                     with sess.lock:
                         if sess.inflight is not None and seq >= sess.inflight:
                             sess.inflight = None
-                    self._wake.set()
+                    self._ready.set()
                 elif kind == "resend":
                     start = int(msg.get("from", 1))
                     with sess.lock:
@@ -2872,7 +3002,7 @@ class Connection:
                                             f"below acked {self.outbox.acked}")
                         else:
                             sess.sent_upto, sess.inflight = start - 1, None
-                    self._wake.set()
+                    self._ready.set()
                 elif kind == "start":
                     self.runner.handle_start(msg)
                 elif kind == "cancel":
@@ -2886,7 +3016,7 @@ class Connection:
                 sess.error = e
         finally:
             sess.ended.set()
-            self._wake.set()
+            self._ready.set()
 
     def _heartbeats(self, sess):
         # A server that answers heartbeats is expected to keep answering: silence for
@@ -2894,7 +3024,7 @@ class Connection:
         try:
             while not sess.ended.is_set():
                 now = time.monotonic()
-                if sess.answers_heartbeats and now - sess.last_heard > 3 * self.heartbeat_s:
+                if sess.answers_heartbeats and now - sess.last_heard > HEARTBEAT_MISSES * self.heartbeat_s:
                     log.warning("nothing from the server for %.0f s; reconnecting",
                                 now - sess.last_heard)
                     return
@@ -2905,7 +3035,7 @@ class Connection:
                 sess.error = e
         finally:
             sess.ended.set()
-            self._wake.set()
+            self._ready.set()
 
     def _maybe_sync(self, backlog):
         # Wait for the backlog of this connection and every job record to be acked; newer
@@ -2921,14 +3051,9 @@ class Connection:
             log.info("sync sent: %d running, %d known", len(msg["running"]),
                      len(msg["known"]))
 
-    def stop(self, timeout=10.0):
-        self._stop.set()
-        self._wake.set()
-        self._close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("thread %s did not exit within %.0f s", self._thread.name, timeout)
+    def stopping(self):
+        self._ready.set()           # the sender's wait
+        self._close()               # the reader's
 
 
 # ---------------------------------------------------------------------------------------
