@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuplane import next_actions as na
-from gpuplane.client import ApiError, Client, ServerUnreachable
+from gpuplane.client import ApiError, Client, ServerUnreachable, wait_for_jobs
 
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 WAIT_POLL_S = 1.0
@@ -146,6 +146,30 @@ class WaitOut(Out):
     events: list[dict[str, Any]] = Field(description="the job's events that arrived while "
                                                      "waiting (the last 50)")
     events_total: int = Field(0, description="how many arrived in all")
+    next_actions: list[NextAction]
+
+
+class WaitedJob(Out):
+    job_id: int
+    name: str | None = None
+    kind: str | None = Field(None, description="TRAIN or EVALUATE")
+    state: str
+    run_id: int | None = Field(None, description="the run of its current attempt")
+    checkpoint_id: int | None = Field(None, description="an evaluation's checkpoint")
+    exit_code: int | None = None
+    failure_kind: str | None = None
+
+
+class WaitManyOut(Out):
+    jobs: list[WaitedJob] = Field(description="each job as it is now, in the order asked")
+    reached: bool = Field(description="true when all (or, mode 'any', one) ended")
+    timed_out: bool
+    waited_s: float
+    first_ended: int | None = Field(description="the job that ended first")
+    pending: list[int] = Field(description="the jobs not ended yet")
+    summary: str
+    findings: list[dict[str, Any]] = Field(description="warning and critical events of these "
+                                                       "jobs that arrived while waiting")
     next_actions: list[NextAction]
 
 
@@ -320,6 +344,35 @@ class Gpuplane:
                 "events_total": total, "run_id": job.get("run_id"),
                 "next_actions": na.after_job(job, timeout_s, until)}
 
+    def wait_for_jobs(self, job_ids, mode="all", timeout_s=600):
+        start = time.monotonic()
+        after = self.client.list_events(limit=1)["last_id"] or 0
+        jobs, timed_out = wait_for_jobs(self.client, job_ids, any_=mode == "any",
+                                        timeout_s=timeout_s, poll_s=WAIT_POLL_S)
+        wanted = set(job_ids)
+        findings = [e for e in self.client.list_events(after=after, severity="warning",
+                                                       limit=1000)["events"]
+                    if e.get("job_id") in wanted][-WAIT_EVENTS:]
+        rows = [{"job_id": j["id"], "name": j.get("name"), "kind": j.get("kind"),
+                 "state": j["state"], "run_id": j.get("run_id"),
+                 "checkpoint_id": j.get("parent_checkpoint_id"),
+                 "exit_code": j.get("exit_code"), "failure_kind": j.get("failure_kind"),
+                 "project": j.get("project"), "experiment": j.get("experiment") or None}
+                for j in jobs]
+        pending = [r["job_id"] for r in rows if r["state"] not in FINAL]
+        ended = [j for j in jobs if j["state"] in FINAL]
+        first = min(ended, key=lambda j: (j.get("ended_at") or 0, j["id"]))["id"] \
+            if ended else None
+        counts = {}
+        for r in rows:
+            counts[r["state"]] = counts.get(r["state"], 0) + 1
+        summary = (f"{len(rows)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+                   + (f"; timed out after {timeout_s} s" if timed_out else ""))
+        return {"jobs": rows, "reached": not timed_out, "timed_out": timed_out,
+                "waited_s": round(time.monotonic() - start, 2), "first_ended": first,
+                "pending": pending, "summary": summary, "findings": findings,
+                "next_actions": na.after_jobs(rows, pending, timeout_s, mode)}
+
     def _last_event_id(self, job_id):
         evs = self.client.list_events(job=job_id, limit=1)["events"]
         return evs[-1]["id"] if evs else 0
@@ -450,6 +503,17 @@ class WaitIn(In):
                      Field(description="'end': the job finished, failed or was cancelled; "
                                        "'running': it started; 'change': any state change "
                                        "or new event (an ended job returns at once)")] = "end"
+
+
+class WaitManyIn(In):
+    job_ids: Annotated[list[int], Field(description="the jobs to wait for, e.g. a sweep's "
+                                                    "or its evaluations", min_length=1,
+                                        max_length=100)]
+    mode: Annotated[Literal["all", "any"],
+                    Field(description="'all': return when every job has ended; 'any': when "
+                                      "the first one ends")] = "all"
+    timeout_s: Annotated[int, Field(description="give up after this many seconds", ge=1,
+                                    le=WAIT_MAX_S)] = 600
 
 
 class SubmitIn(In):
@@ -599,6 +663,13 @@ TOOLS = [
          "this instead of polling get_job; it returns the events that arrived meanwhile and "
          "what to do next.",
          WaitIn, WaitOut, lambda gp, a: gp.wait_for_job(a.job_id, a.timeout_s, a.until)),
+    Tool("wait_for_jobs", WAIT,
+         "Block until several jobs have all ended (mode 'all') or the first of them has "
+         "('any'), or the timeout: one call for a whole sweep or a batch of evaluations. "
+         "Returns each job's state and run_id, the warnings and critical findings that "
+         "arrived meanwhile, and what to do next (compare the runs, rank the checkpoints).",
+         WaitManyIn, WaitManyOut,
+         lambda gp, a: gp.wait_for_jobs(a.job_ids, a.mode, a.timeout_s)),
     # control
     Tool("submit_job", CONTROL,
          "Queue a training job (needs a write token). Returns the job; then call "

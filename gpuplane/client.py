@@ -257,8 +257,10 @@ class Client:
                                            **fields})
 
     @route("GET", "jobs")
-    def list_jobs(self, state=None, limit=None):
-        return self._get("jobs", state=state, limit=limit)["jobs"]
+    def list_jobs(self, state=None, limit=None, ids=None):
+        """Jobs, newest first; `ids`: only these (a list of ids)."""
+        return self._get("jobs", state=state, limit=limit,
+                         ids=",".join(map(str, ids)) if ids else None)["jobs"]
 
     @route("GET", "jobs/{id}")
     def get_job(self, job_id):
@@ -514,6 +516,42 @@ class Client:
         """{"events": [...], "last_id"}, oldest first."""
         return self._get("events", run=run, job=job, type=type, severity=severity,
                          since=since, after=after, limit=limit)
+
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def wait_for_jobs(client, job_ids, any_=False, timeout_s=None, poll_s=1.0, on_end=None,
+                  on_poll=None):
+    """Wait until every job of `job_ids` has ended (any_: until one has), or timeout_s.
+
+    Returns (jobs, timed_out): the jobs as GET /jobs lists them, in the order of
+    `job_ids`. `on_end(job)` is called once for each job as it is seen ended (in the
+    order they are seen); `on_poll()` after each look. One GET /jobs?ids= per poll_s.
+    An unknown id raises ApiError (404) before any waiting.
+    """
+    job_ids = list(dict.fromkeys(job_ids))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for job_id in job_ids:      # unknown ids: the server's sentence, at once
+        client.get_job(job_id)
+    seen = set()
+    while True:
+        by_id = {j["id"]: j for j in client.list_jobs(ids=job_ids, limit=len(job_ids))}
+        jobs = [by_id[i] for i in job_ids if i in by_id]
+        for j in jobs:
+            if j["state"] in FINAL_STATES and j["id"] not in seen:
+                seen.add(j["id"])
+                if on_end is not None:
+                    on_end(j)
+        if on_poll is not None:
+            on_poll()
+        ended = [j for j in jobs if j["state"] in FINAL_STATES]
+        if (ended if any_ else len(ended) == len(jobs)):
+            return jobs, False
+        if deadline is not None and time.monotonic() >= deadline:
+            return jobs, True
+        time.sleep(poll_s if deadline is None
+                   else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
 def placement_warning(job, nodes):

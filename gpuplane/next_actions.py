@@ -17,6 +17,16 @@ def action(tool, why, **arguments):
             "why": why}
 
 
+def resubmit(job, why):
+    """[submit_job with the job's own command, working dir and scope] — real values, which
+    the agent changes as `why` says before it submits — or [] when no job ran it."""
+    if not job or not job.get("command") or not job.get("working_dir"):
+        return []
+    return [action("submit_job", why, command=job["command"], working_dir=job["working_dir"],
+                   cpu_only=job.get("cpu_only") or None, project=job.get("project"),
+                   experiment=job.get("experiment") or None)]
+
+
 def after_job(job, timeout_s=300, until="end"):
     """What to do with a job in the state it is in (get_job, wait_for_job)."""
     state, job_id, run_id = job["state"], job["id"], job.get("run_id")
@@ -32,6 +42,32 @@ def after_job(job, timeout_s=300, until="end"):
         acts.append(action("diagnose_run", "judge the curves so far", run_id=run_id))
     acts.append(action("wait_for_job", "keep waiting", job_id=job_id, timeout_s=timeout_s,
                        until=until))
+    return acts
+
+
+def after_jobs(jobs, pending, timeout_s=600, mode="all"):
+    """After wait_for_jobs: wait on for the pending, explain the failed, compare the
+    trainings that succeeded, rank the checkpoints the evaluations scored."""
+    acts = []
+    if pending:
+        acts.append(action("wait_for_jobs", "keep waiting for the rest",
+                           job_ids=pending, timeout_s=timeout_s, mode=mode))
+    for j in [j for j in jobs if j["state"] == "FAILED"][:3]:
+        acts.append(action("explain_failure", f"find out why job {j['job_id']} failed",
+                           job_id=j["job_id"]))
+    done = [j for j in jobs if j["state"] == "SUCCEEDED" and j.get("run_id")]
+    trained = [j["run_id"] for j in done if j.get("kind") != "EVALUATE"]
+    if len(trained) >= 2:
+        acts.append(action("compare_runs", "which setting won, and by more than the noise",
+                           run_ids=trained[:20]))
+    elif trained:
+        acts.append(action("diagnose_run", "judge the finished run", run_id=trained[0]))
+    scopes = {(j.get("project"), j.get("experiment")) for j in done
+              if j.get("kind") == "EVALUATE" and j.get("project")}
+    for project, experiment in sorted(scopes, key=str)[:3]:
+        acts.append(action("get_best_checkpoint", "the checkpoint to keep, now that the "
+                           "evaluations are in", project=project,
+                           experiment=experiment or None))
     return acts
 
 

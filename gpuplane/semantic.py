@@ -21,7 +21,7 @@ import math
 import re
 import statistics
 
-from .next_actions import action
+from .next_actions import action, resubmit
 
 _MIN_WORDS = {"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer",
               "time", "nll", "latency"}
@@ -381,10 +381,9 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
             if job_id and state not in FINAL_STATES:
                 acts.append(action("cancel_job", "further training only overfits",
                                    job_id=job_id))
-            acts.append(action("submit_job", "retrain with more regularisation (weight "
-                               "decay, dropout, augmentation) or early stopping",
-                               command="<the same command with more regularisation>",
-                               working_dir="<the job's working dir>"))
+            acts += resubmit(run.get("job"), "retrain with more regularisation (weight "
+                             "decay, dropout, augmentation) or early stopping: change the "
+                             "command before submitting")
             return result("overfitting", f"{main} is worse than at step {f['best_step']} "
                           f"while {train} still improves", acts)
 
@@ -398,10 +397,8 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                                "the GPU", job_id=job_id))
         acts.append(action("get_best_checkpoint", "take the best checkpoint so far",
                            run_id=run_id))
-        acts.append(action("submit_job", "try a higher learning rate or a schedule "
-                           "with decay, or a larger model",
-                           command="<the same command with new settings>",
-                           working_dir="<the job's working dir>"))
+        acts += resubmit(run.get("job"), "try a higher learning rate or a schedule with "
+                         "decay, or a larger model: change the command before submitting")
         return result("plateaued", f"{main} has stopped improving", acts)
 
     evidence.insert(0, f"{main}: {_fmt(f['start'])} at first, best {_fmt(f['best'])} at "
@@ -452,8 +449,7 @@ def _fix_actions(run, job_id, advice):
                            job_id=job_id))
     acts.append(action("list_checkpoints", "find the last good checkpoint",
                        run_id=run.get("id")))
-    acts.append(action("submit_job", advice, command="<the same command with the fix>",
-                       working_dir="<the job's working dir>"))
+    acts += resubmit(run.get("job"), f"{advice}: change the command before submitting")
     return acts
 
 
@@ -524,10 +520,9 @@ def compare_runs(runs, keys=None, primary=None):
         acts.append(action("diagnose_run", "check the winner's curve is healthy",
                            run_id=top["winner"]))
         if not top["significant"]:
-            acts.append(action("submit_job", "the gap is within noise: repeat the runs "
-                               "with other seeds before trusting it",
-                               command="<the command with --seed N>",
-                               working_dir="<the job's working dir>"))
+            winner = next((r["run"] for r in runs if r["run"]["id"] == top["winner"]), {})
+            acts += resubmit(winner.get("job"), "the gap is within noise: repeat the runs "
+                             "with other seeds (change the seed) before trusting it")
     return {"run_ids": ids, "primary_key": primary_key,
             "winner": top["winner"] if top else None,
             "significant": top["significant"] if top else False,
@@ -806,9 +801,8 @@ def explain_failure(job, lines, runs=()):
         acts.insert(0, action("retry_job", "these failures are often transient",
                               job_id=job_id))
     else:
-        acts.append(action("submit_job", suggestions[0] if suggestions else "fix and rerun",
-                           command="<the fixed command>", working_dir=job.get("working_dir")
-                           or "<the job's working dir>"))
+        acts += resubmit(job, (suggestions[0] if suggestions else "fix and rerun")
+                         + ": change the command before submitting")
     return {"job_id": job_id, "state": state, "failure_kind": kind_platform, "kind": kind,
             "exit_code": exit_code, "summary": summary, "exception": exc,
             "lines": [{"line_no": no, "text": t} for no, t in relevant],

@@ -852,3 +852,28 @@ def test_up_says_what_it_waits_for_when_it_takes_a_while(monkeypatch, capsys):
     with pytest.raises(cli.CliError, match="gave up waiting for the server after 5s"):
         up._wait_for("the server", lambda: None, [], 5)
 
+
+def test_job_wait_exit_codes_say_how_the_jobs_ended(stack, tmp_path):
+    """`job wait ID...`: 0 all SUCCEEDED, 5 one FAILED, 3 one CANCELLED, 124 the timeout,
+    --any returns at the first end; the agent has 4 CPU slots, so all three run at once."""
+    def submit(*cmd):
+        code, out, err = run_cli(stack, "job", "submit", "--cpu-only", "-d", str(tmp_path),
+                                 "--", *cmd)
+        assert code == 0, err
+        return out.split()[0]
+    ok = submit("true")
+    bad = submit(sys.executable, "-c", "raise SystemExit(3)")
+    slow = submit("sleep", "120")
+    code, out, err = run_cli(stack, "job", "wait", ok, bad)
+    assert code == cli.EXIT_FAILED, (out, err)
+    assert f"job {ok} SUCCEEDED" in out and f"job {bad} FAILED" in out
+    assert run_cli(stack, "job", "wait", ok)[0] == cli.EXIT_OK
+    code, out, err = run_cli(stack, "job", "wait", slow, "--timeout", "0.5")
+    assert code == 124 and f"job {slow}" in err, (out, err)
+    code, out, _ = run_cli(stack, "job", "wait", slow, ok, "--any", "--json")
+    assert code == cli.EXIT_OK and {j["id"] for j in json.loads(out)} == {int(slow), int(ok)}
+    assert run_cli(stack, "job", "cancel", slow)[0] == 0
+    code, out, _ = run_cli(stack, "job", "wait", ok, slow, "--timeout", "60")
+    assert code == cli.EXIT_CANCELLED, out
+    code, out, err = run_cli(stack, "job", "wait", ok, "999")
+    assert code == cli.EXIT_ERROR and "999" in err

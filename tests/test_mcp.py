@@ -131,7 +131,7 @@ def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
 
         tools = (await client.list_tools()).tools
         names = {t.name for t in tools}
-        assert OBSERVE | CONTROL | SEMANTIC | {"wait_for_job"} == names
+        assert OBSERVE | CONTROL | SEMANTIC | {"wait_for_job", "wait_for_jobs"} == names
         for t in tools:
             assert t.description and len(t.description) > 40, t.name
             assert t.output_schema, t.name
@@ -243,12 +243,13 @@ def test_acceptance_loop(live_server, agent, tmp_path):
                 eval_command=[sys.executable, "eval.py"]))
             assert j["next_actions"][0]["tool"] == "wait_for_job"
             jobs[lr] = j["id"]
-        runs = {}
-        for lr, job_id in jobs.items():
-            w = ok(await call("wait_for_job", job_id=job_id, timeout_s=120))
-            assert w["reached"] and w["state"] == "SUCCEEDED", w
-            assert [a["tool"] for a in w["next_actions"]][:1] == ["diagnose_run"]
-            runs[lr] = w["run_id"]
+        # One wait for the whole sweep.
+        w = ok(await call("wait_for_jobs", job_ids=list(jobs.values()), timeout_s=120))
+        assert w["reached"] and [j["state"] for j in w["jobs"]] == ["SUCCEEDED"] * 2, w
+        assert w["pending"] == [] and w["first_ended"] in jobs.values()
+        runs = {lr: j["run_id"] for lr, j in zip(jobs, w["jobs"])}
+        assert w["next_actions"][0] == {"tool": "compare_runs", "why": w["next_actions"][0]["why"],
+                                        "arguments": {"run_ids": list(runs.values())}}
         good, bad = runs["0.5"], runs["0.005"]
 
         d = ok(await call("diagnose_run", run_id=good))
@@ -287,9 +288,11 @@ def test_acceptance_loop(live_server, agent, tmp_path):
             e = ok(await call("evaluate_checkpoint", checkpoint_id=ck["id"]))
             assert e["next_actions"][0]["tool"] == "wait_for_job"
             eval_jobs.append(e["next_actions"][0]["arguments"]["job_id"])
-        for job_id in eval_jobs:
-            w = ok(await call("wait_for_job", job_id=job_id, timeout_s=120))
-            assert w["state"] == "SUCCEEDED", w
+        w = ok(await call("wait_for_jobs", job_ids=eval_jobs, timeout_s=120))
+        assert {j["state"] for j in w["jobs"]} == {"SUCCEEDED"}, w
+        assert {j["kind"] for j in w["jobs"]} == {"EVALUATE"}
+        assert {"tool": "get_best_checkpoint", "arguments": {"project": "acc", "experiment": "lr"}} \
+            in [{k: a[k] for k in ("tool", "arguments")} for a in w["next_actions"]], w
 
         cc = ok(await call("compare_checkpoints", run_ids=[good, bad], key="eval/loss"))
         ranked = cc["ranked"]
@@ -383,7 +386,7 @@ def test_mcp_inspector_cli(live_server, tmp_path):
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
             out[k] = json.loads(r.stdout)
     tools = out["list"]["tools"]
-    assert len(tools) == 22 and all(t.get("outputSchema") for t in tools)
+    assert len(tools) == 23 and all(t.get("outputSchema") for t in tools)
     status = out["observe"]
     assert status["isError"] is False and "GPUs free" in status["structuredContent"]["summary"]
     d = out["semantic"]

@@ -22,8 +22,10 @@ def key(name, values, direction=None, start=0, ts0=NOW - 600_000, every_ms=1000)
 
 
 def run(state="SUCCEEDED", run_id=1, job_id=7, config=None, **kw):
+    job = {"id": job_id, "command": ["python", "train.py"], "working_dir": "/w",
+           "cpu_only": False, "project": "p", "experiment": ""} if job_id else None
     return {"id": run_id, "job_id": job_id, "state": state, "config": config or {},
-            "started_at": NOW - 600_000, "created_at": NOW - 600_000, **kw}
+            "started_at": NOW - 600_000, "created_at": NOW - 600_000, "job": job, **kw}
 
 
 def decaying(n=200, start=2.0, floor=0.2, rate=0.03, noise=0.01, seed=0):
@@ -169,7 +171,9 @@ def test_compare_runs_within_noise_is_not_significant():
                                                                seed=2))]}
     r = A.compare_runs([a, b])
     assert r["significant"] is False
-    assert "submit_job" in tools(r)
+    again = next(a for a in r["next_actions"] if a["tool"] == "submit_job")
+    assert again["arguments"] == {"command": ["python", "train.py"], "working_dir": "/w",
+                                  "project": "p"}, again
     assert "within the runs' noise" in r["summary"]
 
 

@@ -13,7 +13,7 @@ from .. import lifecycle
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
-from .validate import body, field, query_int
+from .validate import body, field, query_ids, query_int
 from . import current_db, current_lifecycle
 
 bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
@@ -162,8 +162,9 @@ def list_jobs():
         if state not in STATES:
             raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
     limit = query_int("limit", 100, min=1, max=10000)
+    ids = query_ids("ids")
     return {"jobs": [job_view(j, with_env=False)
-                     for j in jobs.list_jobs(current_db(), state, limit)]}
+                     for j in jobs.list_jobs(current_db(), state, limit, ids=ids)]}
 
 
 @bp.get("/jobs/<int:job_id>")

@@ -105,3 +105,19 @@ def query_int(name, default, *, min=None, max=None):
     if max is not None and v > max:
         raise BadRequest(f"query parameter '{name}' must be at most {max}")
     return v
+
+
+def query_ids(name, most=1000):
+    """?name=1,2,3 as a list of distinct ids in the order given, or None when absent."""
+    raw = request.args.get(name)
+    if raw is None:
+        return None
+    try:
+        ids = list(dict.fromkeys(int(x) for x in raw.split(",") if x.strip()))
+    except ValueError:
+        raise BadRequest(f"'{name}' must be ids separated by commas, e.g. {name}=3,4; "
+                         f"got {raw[:60]!r}") from None
+    if not ids or len(ids) > most or not all(0 < i < 2**63 for i in ids):
+        raise BadRequest(f"'{name}' must list 1 to {most} ids (positive integers), "
+                         f"e.g. {name}=3,4")
+    return ids

@@ -48,6 +48,7 @@ exit codes:
   3   a followed job ended CANCELLED
   4   cannot reach the server
   5   a followed job ended FAILED
+  124 `job wait --timeout S` passed before the jobs ended
   130 interrupted"""
 
 

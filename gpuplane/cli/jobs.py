@@ -1,4 +1,4 @@
-"""`gpuplane job submit|list|show|cancel|retry|hold|release|edit` and `gpuplane logs`."""
+"""`gpuplane job submit|list|show|wait|cancel|retry|hold|release|edit` and `gpuplane logs`."""
 
 import argparse
 import json
@@ -6,7 +6,7 @@ import os
 import pathlib
 import shlex
 
-from .common import (EXIT_OK, CliError, FINAL_STATES, JOB_STATES, ago,
+from .common import (EXIT_OK, EXIT_TIMEOUT, CliError, FINAL_STATES, JOB_STATES, ago,
                      clean_line, clock, command, command_text, describe_end, duration,
                      env_pair, follow_job, gpu_list, job_id_type, make_client, note,
                      outcome_code, parents, positive_int, print_json, print_table, wants)
@@ -19,6 +19,15 @@ examples:
 
 Everything after `--` is the command; without `--` its own options (--epochs) would be
 read as options of `job submit`."""
+
+
+WAIT_EPILOG = """\
+exit codes:
+  0   every job SUCCEEDED (with --any: the first to end did)
+  5   one of them FAILED (with --any: the first to end did)
+  3   one was CANCELLED and none failed (with --any: the first to end was)
+  124 --timeout passed first
+  1   an unknown job id, or another error; 4 the server cannot be reached"""
 
 
 def add_parser(subparsers):
@@ -79,6 +88,16 @@ def add_parser(subparsers):
                 parents=(conn, js))
     p.add_argument("job_id", type=job_id_type, metavar="ID")
     p.set_defaults(func=cmd_job_cancel)
+
+    p = command(jsub, "wait", "wait until jobs end; the exit code says how they ended",
+                parents=(conn, js), epilog=WAIT_EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job_ids", type=job_id_type, nargs="+", metavar="ID")
+    p.add_argument("--any", action="store_true",
+                   help="return when the first of them ends (default: when all have)")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="give up after S seconds (exit 124); default: wait as long as it takes")
+    p.set_defaults(func=cmd_job_wait)
 
     p = command(jsub, "retry", "run a job that has ended (any outcome) again, as a new attempt",
                 parents=(conn, js))
@@ -275,6 +294,34 @@ def cmd_job_cancel(args):
         print(f"job {job['id']} is {job['state']}; cancel requested "
               "(SIGTERM now, SIGKILL after 5 s)")
     return EXIT_OK
+
+
+def cmd_job_wait(args):
+    from gpuplane.client import wait_for_jobs
+    client = make_client(args)
+
+    def said(job):
+        if not args.json:
+            run = f", run {job['run_id']}" if job.get("run_id") else ""
+            ran = duration(job.get("started_at"), job.get("ended_at"))
+            print(f"job {job['id']} {job['state']}{run}"
+                  + (f" after {ran}" if job.get("started_at") else ""), flush=True)
+    jobs, timed_out = wait_for_jobs(client, args.job_ids, any_=args.any,
+                                    timeout_s=args.timeout, on_end=said)
+    if args.json:
+        print_json(jobs)
+    ended = [j for j in jobs if j["state"] in FINAL_STATES]
+    if timed_out:
+        note(f"{len(jobs) - len(ended)} of {len(jobs)} jobs still not ended after "
+             f"{args.timeout:g} s: " + ", ".join(f"job {j['id']} {j['state']}" for j in jobs
+                                                if j["state"] not in FINAL_STATES))
+        return EXIT_TIMEOUT
+    if args.any:
+        first = min(ended, key=lambda j: (j.get("ended_at") or 0, j["id"]))
+        return outcome_code(first["state"])
+    states = {j["state"] for j in jobs}
+    return outcome_code("FAILED" if "FAILED" in states else
+                        "CANCELLED" if "CANCELLED" in states else "SUCCEEDED")
 
 
 def cmd_job_retry(args):

@@ -39,12 +39,17 @@ def fetch(conn, job_id):
     return to_dict(conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
 
 
-def list_jobs(db, state=None, limit=100):
+def list_jobs(db, state=None, limit=100, ids=None):
+    """Newest first; `ids`: only these jobs."""
+    where, params = [], []
     if state:
-        rows = db.query("SELECT * FROM jobs WHERE state = ? ORDER BY id DESC LIMIT ?",
-                        (state, limit))
-    else:
-        rows = db.query("SELECT * FROM jobs ORDER BY id DESC LIMIT ?", (limit,))
+        where.append("state = ?")
+        params.append(state)
+    if ids is not None:
+        where.append(f"id IN ({','.join('?' * len(ids))})")
+        params.extend(ids)
+    sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
+    rows = db.query(sql + " ORDER BY id DESC LIMIT ?", (*params, limit))
     return [to_dict(r) for r in rows]
 
 

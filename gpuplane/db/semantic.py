@@ -31,6 +31,11 @@ def run_bundle(db, run_id, keys=None):
     run = runs.get(db, run_id)
     if run is None:
         return None
+    job = jobs.get(db, run["job_id"]) if run["job_id"] else None
+    if job is not None:
+        # what a suggestion to run it again needs (next_actions.resubmit)
+        run = dict(run, job={k: job[k] for k in ("id", "command", "working_dir", "cpu_only",
+                                                 "gpus", "project", "experiment", "kind")})
     return {"run": run, "keys": key_data(db, run_id, keys)}
 
 
