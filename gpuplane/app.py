@@ -63,10 +63,14 @@ def create_app(home=None, start_threads=True, **overrides):
     webhooks = Webhooks(db, cfg)
     # lifecycle events (and the engine's own) wake the webhook sender and SSE followers
     lifecycle.on_event(engine.offer_lifecycle)
+    # Sweeps launch their trials as jobs end (gpuplane/sweeps.py).
+    from .sweeps import Sweeper
+    sweeper = Sweeper(db, lifecycle)
+    lifecycle.on_event(sweeper.offer_lifecycle)
     engine.listeners.append(webhooks.notify)
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
                       LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks,
-                      METRICS=MetricStore(db))
+                      METRICS=MetricStore(db), SWEEPER=sweeper)
 
     for bp in blueprints():
         app.register_blueprint(bp)
@@ -84,7 +88,7 @@ def create_app(home=None, start_threads=True, **overrides):
         return send_from_directory(STATIC, name, max_age=0)
     static_file.required_scope = "public"
 
-    threads = [scheduler, rollup, engine, webhooks]
+    threads = [scheduler, rollup, engine, webhooks, sweeper]
     if float(cfg.get("backup_interval_h") or 0) > 0:
         from .backups import BackupSchedule
         threads.append(BackupSchedule(home, cfg["backup_interval_h"], cfg["backup_keep"]))

@@ -445,9 +445,32 @@ class Client:
         return self._get("checkpoints:compare", runs=",".join(map(str, run_ids)), key=key)
 
     @route("GET", "checkpoints:recommend")
-    def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None):
+    def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None,
+                             sweep=None):
         return self._get("checkpoints:recommend", run=run, experiment=experiment,
-                         project=project, key=key)
+                         project=project, key=key, sweep=sweep)
+
+    # -- sweeps (docs/sweeps.md) ------------------------------------------------------
+
+    @route("POST", "sweeps")
+    def create_sweep(self, spec):
+        return self._send("POST", "sweeps", spec)
+
+    @route("GET", "sweeps")
+    def list_sweeps(self, state=None, limit=None):
+        return self._get("sweeps", state=state, limit=limit)
+
+    @route("GET", "sweeps/{id}")
+    def get_sweep(self, sweep_id):
+        return self._get(f"sweeps/{sweep_id}")
+
+    @route("POST", "sweeps/{id}/cancel")
+    def cancel_sweep(self, sweep_id):
+        return self._send("POST", f"sweeps/{sweep_id}/cancel")
+
+    @route("POST", "sweeps/{id}/retry-failed")
+    def retry_failed_sweep(self, sweep_id):
+        return self._send("POST", f"sweeps/{sweep_id}/retry-failed")
 
     # -- projects, experiments, metric definitions ---------------------------------
 

@@ -160,7 +160,8 @@ class Lifecycle:
             run_id = runs.create(t.conn, source="job", state="STARTING",
                                  project=job["project"], experiment=job["experiment"],
                                  name=job["name"], job_id=job_id, attempt=attempt, node=node,
-                                 gpu_indices=gpu_indices, config={"command": job["command"]})
+                                 gpu_indices=gpu_indices,
+                                 config={"command": job["command"], **job["config"]})
             _, secret = tokens.add(t.conn, f"run {run_id}", "ingest", run_id=run_id)
             jobs.set_dispatched(t.conn, job_id, attempt, node, gpu_indices, run_id)
             job = jobs.fetch(t.conn, job_id)
@@ -231,8 +232,12 @@ class Lifecycle:
                             f"{job['max_attempts']}", job=job, severity="warning", data=data)
                 return state
             jobs.set_ended(t.conn, job_id, state, failure_kind, exit_code, message, ts)
+            stop = job["stop_reason"] if state == "CANCELLED" else None
+            if stop:
+                data.update(stop)
             text = (f"job {job_id} ({job['name']}) attempt {attempt} {state.lower()}"
-                    + (f": {failure_kind}" if failure_kind else "")
+                    + (f": {stop['reason']}, {stop['message']}" if stop else
+                       f": {failure_kind}" if failure_kind else "")
                     + (f" (exit {exit_code})" if exit_code not in (None, 0) else "")
                     + (f" on {job['node']}" if job["node"] else ""))
             # OOM stays easy to find: a FAILED event with failure_kind OOM, critical.
@@ -241,10 +246,12 @@ class Lifecycle:
             self._event(t, state, text, job=job, severity=severity, data=data, ts=ts)
         return state
 
-    def cancel(self, job_id, t=None):
+    def cancel(self, job_id, t=None, stop_reason=None):
         """Returns (job, accepted). A queued job is CANCELLED at once; an active one gets
         its cancel sent to the agent and becomes CANCELLED when the agent reports its end
-        (or its node is lost). An ended job: accepted only if it was already CANCELLED."""
+        (or its node is lost). An ended job: accepted only if it was already CANCELLED.
+        stop_reason: why ({"reason": "EARLY_STOPPED", "message": a sentence, ...}); the
+        job keeps it and its CANCELLED event carries it."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
             if job is None:
@@ -253,11 +260,15 @@ class Lifecycle:
                 return job, job["state"] == "CANCELLED"
             if job["state"] == "QUEUED":
                 jobs.set_ended(t.conn, job_id, "CANCELLED", "CANCELLED", None, None, now_ms())
+                if stop_reason:
+                    jobs.set_stop_reason(t.conn, job_id, stop_reason)
                 job = jobs.fetch(t.conn, job_id)
                 self._event(t, CANCELLED, f"job {job_id} ({job['name']}) cancelled while "
-                            "queued", job=job, data={"failure_kind": "CANCELLED"})
+                            "queued" + (f": {stop_reason['reason']}, {stop_reason['message']}"
+                                        if stop_reason else ""), job=job,
+                            data={"failure_kind": "CANCELLED", **(stop_reason or {})})
                 return job, True
-            jobs.set_cancel_requested(t.conn, job_id)
+            jobs.set_cancel_requested(t.conn, job_id, stop_reason)
             t.publish = True
             node, attempt = job["node"], job["attempt"]
             if self.agents is not None:

@@ -33,13 +33,20 @@ def resolve_metric(db, key, project, experiment, keys_of_scope=None):
                     "direction_from": d_from}
 
 
-def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
+def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep=None):
     """The checkpoint to keep in a scope (one run, an experiment, a project) by the primary
     metric: evaluated checkpoints first (their last successful evaluation's result), then
     the training value at the nearest step. The ranking, reason, runner-up and margin are
     semantic.get_best_checkpoint's; this adds the metric's resolution and the counts."""
     scope = {"run_id": run_id, "project": project, "experiment": experiment}
-    if run_id is not None:
+    if sweep is not None:
+        # A sweep's trials: its own metric and direction when it names them (the
+        # experiment's primary metric otherwise, as for any experiment).
+        project, experiment = sweep["project"], sweep["experiment"]
+        scope = {"sweep_id": sweep["id"], "project": project, "experiment": experiment}
+        key = key or sweep["spec"].get("metric")
+        q = {"sweep_id": sweep["id"]}
+    elif run_id is not None:
         run = runs.get(db, run_id)
         project, experiment = run["project"], run["experiment"]
         q = {"run_id": run_id}
@@ -47,6 +54,10 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None):
         q = {"project": project, "experiment": experiment}
     key, d, metric = resolve_metric(db, key, project, experiment,
                                     keys_of_scope=lambda: checkpoints.scope_keys(db, **q))
+    if sweep is not None and key is not None and key == sweep["spec"].get("metric") \
+            and sweep["spec"].get("direction"):
+        d = metric["direction"] = sweep["spec"]["direction"]
+        metric["direction_from"] = "sweep"
     if key is None:
         return {"scope": scope, "metric": metric, "key": None, "direction": None,
                 "checkpoint": None, "runner_up": None, "margin": None, "source": None,

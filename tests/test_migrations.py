@@ -123,3 +123,21 @@ def test_a_v7_database_gets_a_time_on_every_rollup_bucket(tmp_path):
     for max_points in (40, 400):
         _, pts = series.series(db, loss, max_points)
         assert [p[6] for p in pts] == [t0 + 1000 * p[0] for p in pts]
+
+
+def test_a_v9_database_opens_with_sweeps(tmp_path):
+    """Schema v10 added sweeps, their trials and a job's config / sweep / stop reason: a
+    v9 database's jobs read with no config and no sweep, and a sweep can be written."""
+    from gpuplane.db import sweeps
+    path = tmp_path / "v9.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:9]) + "\nPRAGMA user_version=9;\nCOMMIT;")
+    conn.execute(ROWS["jobs"])
+    conn.close()
+    db = Database(path)
+    assert db.query_one("PRAGMA user_version")[0] == len(MIGRATIONS)
+    job = jobs.get(db, 1)
+    assert job["config"] == {} and job["sweep_id"] is None and job["stop_reason"] is None
+    with db.tx() as c:
+        sweep_id = sweeps.create(c, "s", "default", "", {"parallel": 1}, [{"lr": 0.1}])
+    assert [t["params"] for t in sweeps.trials(db, sweep_id)] == [{"lr": 0.1}]

@@ -4,7 +4,7 @@ import importlib
 from flask import current_app
 
 MODULES = ("auth", "jobs", "nodes", "runs", "metrics", "events", "semantic", "stream", "routes",
-           "checkpoints", "projects")
+           "checkpoints", "projects", "sweeps")
 
 
 def blueprints():

@@ -7,14 +7,14 @@
   POST /checkpoints/<id>/evaluations     queue an EVALUATE job
   GET  /checkpoints/<id>/evaluations
   GET  /evaluations/<id>
-  GET  /checkpoints:recommend?experiment=&project=|run=&key=
+  GET  /checkpoints:recommend?experiment=&project=|run=|sweep=&key=
 """
 import posixpath
 
 from flask import Blueprint, request
 
 from ..auth import requires
-from ..db import checkpoints, jobs, projects
+from ..db import checkpoints, jobs, projects, sweeps as sweeps_db
 from ..errors import BadRequest, NotFound
 from .. import evaluations, metricwire, recommend as rec
 from .validate import body, field, opt_number, query_int
@@ -183,6 +183,15 @@ def _scope_names():
 @requires("read")
 def recommend():
     run_id = query_int("run", None, min=0)
+    sweep_id = query_int("sweep", None, min=0)
+    if sweep_id is not None:
+        if run_id is not None or request.args.get("project") or request.args.get("experiment"):
+            raise BadRequest("give ?sweep= alone: a sweep's trials are its scope")
+        sweep = sweeps_db.get(current_db(), sweep_id)
+        if sweep is None:
+            raise NotFound(f"sweep {sweep_id} does not exist; list sweeps with "
+                           "`gpuplane sweep list`")
+        return rec.recommend(current_db(), sweep=sweep, key=request.args.get("key") or None)
     project, experiment = _scope_names()
     if run_id is not None:
         if project or experiment:

@@ -19,7 +19,7 @@ import os
 import sys
 
 from . import (backups, checkpoints, common, completion, doctor, events, jobs, runs, semantic, status,
-               tokens, up)
+               sweeps, tokens, up)
 from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
                      EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
                      print_table)
@@ -34,6 +34,7 @@ COMMANDS = [
     runs,       # run ...
     semantic,   # diagnose, explain
     checkpoints,  # ckpt ..., project ..., exp ..., metric ..., import-run
+    sweeps,     # sweep ...
     backups,    # backup, restore
     events,     # events, event-hook
     doctor,     # doctor

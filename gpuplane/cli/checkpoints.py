@@ -43,6 +43,8 @@ def add_parser(subparsers):
     p.add_argument("--run", type=run_id_type, metavar="RUN")
     p.add_argument("--project", metavar="P")
     p.add_argument("--experiment", metavar="E")
+    p.add_argument("--sweep", type=id_type("sweep", "gpuplane sweep list"), metavar="SWEEP",
+                   help="choose across all trials of this sweep")
     p.add_argument("--key", metavar="KEY", help="decide by this metric instead")
     p.set_defaults(func=cmd_ckpt_recommend)
 
@@ -173,11 +175,12 @@ def cmd_ckpt_evaluate(args):
 
 
 def cmd_ckpt_recommend(args):
-    if not (args.run or args.project or args.experiment):
-        raise CliError("say where to choose from: --experiment E [--project P], --project P "
-                       "or --run RUN", code=2)
+    if not (args.run or args.project or args.experiment or args.sweep):
+        raise CliError("say where to choose from: --experiment E [--project P], --project P, "
+                       "--run RUN or --sweep SWEEP", code=2)
     r = make_client(args).recommend_checkpoint(run=args.run, project=args.project,
-                                               experiment=args.experiment, key=args.key)
+                                               experiment=args.experiment, key=args.key,
+                                               sweep=args.sweep)
     if args.json:
         print_json(r)
         return EXIT_OK if r["checkpoint"] else EXIT_ERROR

@@ -363,9 +363,43 @@ SCHEMA_V9_DIRTY_BASE = """
 ALTER TABLE metric_dirty ADD COLUMN base INTEGER NOT NULL DEFAULT 0;
 """
 
+# Sweeps (gpuplane/sweeps.py, docs/sweeps.md): a sweep and its trials, one row per trial
+# from the start (its parameters drawn once, at create), `job_id` set when the trial is
+# launched as an ordinary job. A job carries `config` (merged into each attempt's
+# run.config: a trial's parameters), `sweep_id`, and `stop_reason` (JSON: why a cancel was
+# asked for, such as an early stop, so the CANCELLED event can say it).
+SCHEMA_V10_SWEEPS = """
+CREATE TABLE sweeps (
+    id          INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL,
+    project     TEXT NOT NULL DEFAULT 'default',
+    experiment  TEXT NOT NULL DEFAULT '',
+    spec        TEXT NOT NULL,                  -- json: the validated spec
+    state       TEXT NOT NULL DEFAULT 'RUNNING',  -- RUNNING | STOPPED | DONE | CANCELLED
+    stop_reason TEXT,
+    created_at  INTEGER NOT NULL,
+    ended_at    INTEGER
+);
+CREATE TABLE sweep_trials (
+    id        INTEGER PRIMARY KEY,
+    sweep_id  INTEGER NOT NULL,
+    number    INTEGER NOT NULL,                 -- 0, 1, ... in the order they launch
+    params    TEXT NOT NULL,                    -- json
+    job_id    INTEGER,                          -- NULL until launched
+    rung      INTEGER NOT NULL DEFAULT 0,       -- ASHA rungs passed
+    stopped   TEXT,                             -- json: the early-stopping decision
+    retry     INTEGER NOT NULL DEFAULT 0,       -- queued again by sweep retry-failed
+    UNIQUE (sweep_id, number)
+);
+CREATE INDEX sweep_trials_job ON sweep_trials(job_id);
+ALTER TABLE jobs ADD COLUMN config TEXT;
+ALTER TABLE jobs ADD COLUMN sweep_id INTEGER;
+ALTER TABLE jobs ADD COLUMN stop_reason TEXT;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
-              SCHEMA_V9_DIRTY_BASE]
+              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS]
 
 
 _databases = weakref.WeakSet()

@@ -204,21 +204,22 @@ def evaluation_runs(db, run_ids):
 
 # -- recommend --------------------------------------------------------------------------
 
-def _scope_sql(run_id, project, experiment, alias="c"):
+def _scope_sql(run_id, project, experiment, alias="c", sweep_id=None):
     """WHERE over runs r (and their jobs j) for a scope; `alias` names what holds the run
-    id (c: checkpoints, r: runs)."""
+    id (c: checkpoints, r: runs). sweep_id: the runs of that sweep's trials."""
     where, params = ["COALESCE(j.kind, 'TRAIN') != 'EVALUATE'"], []
     for col, val in ((f"{alias}.run_id" if alias == "c" else "r.id", run_id),
-                     ("r.project", project), ("r.experiment", experiment)):
+                     ("r.project", project), ("r.experiment", experiment),
+                     ("j.sweep_id", sweep_id)):
         if val is not None:
             where.append(f"{col} = ?")
             params.append(val)
     return " AND ".join(where), params
 
 
-def scope_keys(db, run_id=None, project=None, experiment=None):
+def scope_keys(db, run_id=None, project=None, experiment=None, sweep_id=None):
     """Metric keys of the runs holding checkpoints in the scope, with how many runs log each."""
-    where, params = _scope_sql(run_id, project, experiment)
+    where, params = _scope_sql(run_id, project, experiment, sweep_id=sweep_id)
     return db.query(
         "SELECT k.key, count(*) FROM metric_keys k WHERE k.run_id IN (SELECT DISTINCT c.run_id"
         " FROM checkpoints c JOIN runs r ON r.id = c.run_id LEFT JOIN jobs j ON j.id = r.job_id"
@@ -258,16 +259,16 @@ ORDER BY e.id
 """
 
 
-def candidates(db, key, run_id=None, project=None, experiment=None):
+def candidates(db, key, run_id=None, project=None, experiment=None, sweep_id=None):
     """Every checkpoint in the scope with its values of `key`: `training`, the run's value
     at the nearest step (`at_step`; the earlier on a tie), and `evaluation`, the result of
     the last successful evaluation that logged `key` (`evaluation_id`). None: no value,
     or NaN. Paths are not read here (see paths())."""
-    where, params = _scope_sql(run_id, project, experiment)
+    where, params = _scope_sql(run_id, project, experiment, sweep_id=sweep_id)
     evals = {}
     for ckpt_id, eval_id, value in db.query(_EVAL_VALUES.format(where=where), (key, *params)):
         evals[ckpt_id] = (eval_id, value)      # ordered by id: the last one wins
-    rwhere, rparams = _scope_sql(run_id, project, experiment, alias="r")
+    rwhere, rparams = _scope_sql(run_id, project, experiment, alias="r", sweep_id=sweep_id)
     out, todo = [], []
     with db.read() as conn:
         cur = conn.cursor()

@@ -25,6 +25,8 @@ def to_dict(row):
     d["depends_on"] = loads(d.get("depends_on"), [])
     d["depends_any"] = bool(d.get("depends_any"))
     d["held"] = bool(d.get("held"))
+    d["config"] = loads(d.get("config"), {})
+    d["stop_reason"] = loads(d.get("stop_reason"))
     return d
 
 
@@ -108,8 +110,9 @@ def insert(conn, spec, ts):
     cur = conn.execute(
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
-        " depends_on, depends_any, held, eval_command, image, created_at, queued_at)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
+        " created_at, queued_at)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -117,7 +120,8 @@ def insert(conn, spec, ts):
          dumps(spec.get("depends_on") or []), int(bool(spec.get("depends_any"))),
          int(bool(spec.get("held"))),
          dumps(spec["eval_command"]) if spec.get("eval_command") else None,
-         spec.get("image"), ts, ts))
+         spec.get("image"), dumps(spec["config"]) if spec.get("config") else None,
+         spec.get("sweep_id"), ts, ts))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 
@@ -150,8 +154,14 @@ def set_ended(conn, job_id, state, failure_kind, exit_code, message, ts):
         (state, failure_kind, exit_code, message, ts, job_id))
 
 
-def set_cancel_requested(conn, job_id):
-    conn.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+def set_cancel_requested(conn, job_id, stop_reason=None):
+    conn.execute("UPDATE jobs SET cancel_requested = 1, stop_reason = ? WHERE id = ?",
+                 (dumps(stop_reason) if stop_reason else None, job_id))
+
+
+def set_stop_reason(conn, job_id, stop_reason):
+    conn.execute("UPDATE jobs SET stop_reason = ? WHERE id = ?",
+                 (dumps(stop_reason) if stop_reason else None, job_id))
 
 
 def states(db, job_ids):
@@ -188,6 +198,7 @@ def set_queued_fields(conn, job_id, priority=None, depends_on=None, depends_any=
 
 def set_queued_by_hand(conn, job_id, ts):
     conn.execute("UPDATE jobs SET state = 'QUEUED', cancel_requested = 0, node = NULL,"
+                 " stop_reason = NULL,"
                  " gpu_indices = NULL, failure_kind = NULL, exit_code = NULL,"
                  " message = NULL, ended_at = NULL, queued_at = ?, max_attempts ="
                  " MAX(max_attempts, attempt + 1) WHERE id = ?", (ts, job_id))

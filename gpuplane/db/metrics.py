@@ -314,6 +314,15 @@ def key_id(db, run_id, key):
     return row[0] if row else None
 
 
+def points_after(db, run_id, key, after_step=-1, limit=100000):
+    """[(step, value)] of a run's key at steps > after_step, in step order (value None:
+    NaN). What a sweep's early stopping reads, a little at a time."""
+    return [tuple(r) for r in db.query(
+        "SELECT p.step, p.value FROM points p JOIN metric_keys k ON k.id = p.key_id"
+        " WHERE k.run_id = ? AND k.key = ? AND p.step > ? ORDER BY p.step LIMIT ?",
+        (run_id, key, after_step, limit))]
+
+
 def keys_of_run(conn, run_id):
     return conn.execute("SELECT id, key FROM metric_keys WHERE run_id = ? ORDER BY key",
                         (run_id,)).fetchall()
