@@ -16,7 +16,7 @@ import time
 from collections import deque
 from itertools import compress
 
-from . import rules
+from . import rules, vocab
 from .config import ConfigError
 from .db import events as db_events, now_ms
 from .hub import Hub
@@ -38,13 +38,12 @@ def _classify(key):
     hit = _kinds.get(key)
     if hit is None:
         role, base = rules.eval_pair(key)
-        ws = set(rules.words(key))
-        if key.startswith("sys/"):
+        if vocab.is_system(key):
             kind = ("util" if key.endswith("/util") and key.startswith("sys/gpu")
                     else "disk" if key == "sys/disk_free_mb" else "sys")
-        elif ws & {"lr", "learning_rate"} or {"learning", "rate"} <= ws:
+        elif vocab.is_lr(key):
             kind = "lr"
-        elif rules.is_loss(key):
+        elif vocab.is_loss(key):
             kind = "eval_loss" if role == "eval" else "loss"
         else:
             kind = role
@@ -279,7 +278,7 @@ class Engine(Worker):
         progress = False
         for i, key in enumerate(keys):
             kind, base = _classify(key)
-            progress = progress or not key.startswith("sys/")   # sys/* comes while hung too
+            progress = progress or not vocab.is_system(key)   # sys/* comes while hung too
             if kind == "sys":
                 continue
             if kind == "train":

@@ -5,14 +5,15 @@ No database here: gpuplane/db/metrics.py stores what this module has checked.
 """
 import array
 import json
-import math
 import struct
 import sys
+
+from . import vocab
 
 MAX_KEYS = 10_000
 MAX_STEP = 2**63 - 1
 
-_SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_SPECIAL = vocab.NONFINITE      # "NaN", "Infinity", "-Infinity": the wire's spelling
 
 
 class BadBatch(ValueError):
@@ -300,15 +301,8 @@ def _value(v):
     return v
 
 
-def encode(v):
-    """A stored value for JSON: NULL (NaN) and infinities as the strings of the wire format."""
-    if v is None:
-        return "NaN"
-    if v == math.inf:
-        return "Infinity"
-    if v == -math.inf:
-        return "-Infinity"
-    return v
+# A stored value for JSON: NULL (NaN) and infinities as the strings of the wire format.
+encode = vocab.encode_stored
 
 
 def encode_points(pts):

@@ -3,7 +3,7 @@ leaderboard. Each function reads through gpuplane.db and returns a plain dict th
 REST routes answer as is (docs/checkpoints.md)."""
 import heapq
 
-from . import metricwire, semantic, series as planner
+from . import metricwire, semantic, series as planner, vocab
 from .db import checkpoints, metric_defs, metrics, runs
 
 
@@ -31,6 +31,12 @@ def resolve_metric(db, key, project, experiment, keys_of_scope=None):
     d, d_from = metric_defs.resolve_direction(db, key, project or "", experiment or "")
     return key, d, {"key": key, "direction": d, "primary_from": primary_from,
                     "direction_from": d_from}
+
+
+def unknown_direction(key):
+    return (f"the direction of {key} is unknown: its name says neither lower nor higher is "
+            f"better and no metric definition gives one; define it with `gpuplane metric "
+            f"set {key} --direction min` (or max), or pick a key whose name says")
 
 
 def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep=None):
@@ -66,6 +72,15 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
                           "register checkpoints (run.log_checkpoint, job submit --watch) and "
                           "log metrics first",
                 "next_actions": []}
+    if d is None:
+        return {"scope": scope, "metric": metric, "key": key, "direction": None,
+                "checkpoint": None, "runner_up": None, "margin": None, "source": None,
+                "candidates": 0, "evaluated": 0,
+                "reason": unknown_direction(key),
+                "next_actions": [semantic.action(
+                    "set_primary_metric", f"say whether lower or higher {key} is better",
+                    key=key, direction="<min or max>", project=project or "",
+                    experiment=experiment or "")]}
     cands = checkpoints.candidates(db, key, **q)
     # semantic.get_best_checkpoint ranks evaluated checkpoints first, then training
     # values, each by value, and looks at the top few of each kind (its `ranked` holds
@@ -116,10 +131,14 @@ def leaderboard(db, project, experiment, key=None, limit=200):
     rs = [r for r in rs if r["id"] not in evaluating]
     def keys():
         return [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
-                                        if not k.startswith(checkpoints.SYSTEM_PREFIX)})]
+                                        if not vocab.is_system(k)})]
     key, d, metric = resolve_metric(db, key, project, experiment, keys_of_scope=keys)
     if key is None:
         return {"project": project, "experiment": experiment, "metric": metric,
+                "runs": [{**r, "best": None, "best_evaluated": None} for r in rs]}
+    if d is None:        # unknown direction: no run is better than another (vocab.py)
+        return {"project": project, "experiment": experiment, "metric": metric,
+                "reason": unknown_direction(key),
                 "runs": [{**r, "best": None, "best_evaluated": None} for r in rs]}
     sign = 1 if d == "min" else -1
     evaluated = {}

@@ -12,6 +12,8 @@ import re
 from collections import deque
 from statistics import median
 
+from . import vocab
+
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 SEVERITIES = (INFO, WARNING, CRITICAL)
 
@@ -37,44 +39,18 @@ DEFAULTS = {
     "disk_critical_mb": 512,      # ... below this, critical
 }
 
-_LOSS_WORDS = {"loss", "nll", "perplexity", "ppl", "mse", "mae", "rmse"}
-_EVAL_WORDS = {"eval", "val", "valid", "validation", "test", "dev", "holdout"}
-_TRAIN_WORDS = {"train", "training", "tr"}
-_MAX_WORDS = {"acc", "accuracy", "f1", "precision", "recall", "auc", "bleu", "rouge", "map",
-              "iou", "reward", "score", "return", "top1", "top5"}
-
-
-def words(key):
-    return "".join(c if c.isalnum() else " " for c in key.lower()).split()
-
-
-def is_system(key):
-    return key.startswith("sys/")
-
-
-def is_loss(key):
-    """A loss-like key (LOSS_NAN and LOSS_SPIKE watch these): a word like loss, nll, ppl."""
-    return not is_system(key) and not _LOSS_WORDS.isdisjoint(words(key))
-
-
-def higher_is_better(key):
-    for w in reversed(words(key)):
-        if w in _LOSS_WORDS:
-            return False
-        if w in _MAX_WORDS:
-            return True
-    return False
+# What a key means (loss-like, system, eval or train, direction) is gpuplane/vocab.py's.
+words = vocab.words
+is_system = vocab.is_system
+is_loss = vocab.is_loss
 
 
 def eval_pair(key):
     """(role, base) for OVERFITTING_SUSPECTED: role 'eval' or 'train', base the key without
     its split words, so "train/loss", "loss" and "eval/loss", "val_loss" share base "loss"."""
-    if is_system(key):
+    if vocab.is_system(key):
         return None, None
-    ws = words(key)
-    role = "eval" if not _EVAL_WORDS.isdisjoint(ws) else "train"
-    base = " ".join(w for w in ws if w not in _EVAL_WORDS and w not in _TRAIN_WORDS)
-    return role, base
+    return ("eval" if vocab.is_eval(key) else "train"), vocab.base(key)
 
 
 def finding(type, severity, step, message, **evidence):
@@ -232,9 +208,11 @@ class Overfit:
     """Eval worsens for `patience` evals in a row (3-point running median, against its best)
     while the train metric of the same name kept improving over the same steps."""
 
-    def __init__(self, eval_key, train_key, cfg=DEFAULTS):
+    def __init__(self, eval_key, train_key, cfg=DEFAULTS, direction=None):
         self.eval_key, self.train_key = eval_key, train_key
-        self.sign = -1.0 if higher_is_better(eval_key) else 1.0    # lower is better after
+        # the metric definition's direction, else the name's (None: the rule is not run)
+        self.direction = vocab.direction(eval_key, direction)
+        self.sign = -1.0 if self.direction == "max" else 1.0    # lower is better after
         self.min_evals = int(cfg["overfit_min_evals"])
         self.patience = int(cfg["overfit_patience"])
         self.worse = float(cfg["overfit_worse"])
@@ -250,6 +228,8 @@ class Overfit:
 
     def eval_points(self, steps, values):
         out = []
+        if self.direction is None:      # unknown: neither worse nor better (gpuplane/vocab.py)
+            return out
         for s, v in zip(steps, values):
             if math.isfinite(v):
                 self.evals.append((s, self.sign * v))

@@ -21,36 +21,13 @@ import math
 import re
 import statistics
 
+from . import vocab
 from .next_actions import action, resubmit
 
-_MIN_WORDS = {"loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer",
-              "time", "nll", "latency"}
-_MAX_WORDS = {"acc", "accuracy", "f1", "precision", "recall", "auc", "bleu", "rouge", "map",
-              "iou", "reward", "score", "return", "top1", "top5"}
-
-
-def direction(key):
-    """'min' or 'max' from the key's name: the last word that says which wins."""
-    words = "".join(c if c.isalnum() else " " for c in key.lower()).split()
-    for word in reversed(words):
-        if word in _MIN_WORDS:
-            return "min"
-        if word in _MAX_WORDS:
-            return "max"
-    return "min"
-
-
-# Counters and schedules: they move because training moves, not because it is going well.
-# A key named so is not judged (no direction, best or trend) unless a metric definition
-# says which way it should go.
-_STEP_LIKE = re.compile(r"(^|[/_.\-])(epoch|epochs|step|steps|global_step|iteration|iter|"
-                        r"batch|batch_idx|samples|tokens|examples_seen|lr|learning_rate|"
-                        r"lr_\w+|momentum|warmup\w*)$")
-
-
-def is_step_like(key):
-    """Whether the key is a counter or a schedule (epoch, step, lr, ...), not a result."""
-    return bool(_STEP_LIKE.search(key.lower()))
+# What a key means (its role, loss-like, its direction) is gpuplane/vocab.py's; these
+# names stay for the callers. direction(key): "min" | "max" | None (unknown: not judged).
+direction = vocab.name_direction
+is_step_like = vocab.is_step_like
 
 
 TREND_WINDOW = 0.10      # compare the last 10% of the run with the 10% before it
@@ -93,60 +70,20 @@ SIGNIFICANT_SIGMAS = 2.0     # compare_runs: a difference beyond 2 combined nois
 VERDICTS = ("healthy", "diverging", "plateaued", "overfitting", "stalled", "failed",
             "too early to tell")
 
-_EVAL_WORDS = ("val", "valid", "validation", "eval", "test", "dev", "holdout")
-_TRAIN_WORDS = ("train", "training")
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 # -- small helpers ---------------------------------------------------------------------------
 
-def num(v):
-    """A stored or wire value as a float (NaN for None and the string 'NaN')."""
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-        return special[v] if v in special else _float(v)
-    return float(v)
+num = vocab.decode        # a stored or wire value as a float (None, "NaN" -> NaN)
+wire = vocab.encode       # a float for JSON: non-finite values as the wire strings
 
 
-def _float(s):
-    try:
-        return float(s)
-    except ValueError:
-        return math.nan
-
-
-def wire(v):
-    """A float for JSON: non-finite values as the wire strings."""
-    if v is None:
-        return None
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "NaN"
-        if math.isinf(v):
-            return "Infinity" if v > 0 else "-Infinity"
-    return v
-
-
-def _words(key):
-    return "".join(c if c.isalnum() else " " for c in key.lower()).split()
-
-
-def is_eval_key(key):
-    return any(w in _EVAL_WORDS for w in _words(key))
-
-
-def is_train_key(key):
-    return any(w in _TRAIN_WORDS for w in _words(key))
-
-
-def _is_loss_like(key):
-    return any(w in ("loss", "nll", "perplexity", "ppl") for w in _words(key))
-
-
-def _is_system(key):
-    return key.startswith(("sys/", "system/", "gpu/", "host/"))
+_words = vocab.words
+is_eval_key = vocab.is_eval
+is_train_key = vocab.is_train
+_is_loss_like = vocab.is_loss
+_is_system = vocab.is_system
 
 
 def _finite_points(points):
@@ -242,7 +179,9 @@ def pick_primary(keys, primary=None):
     names = [k["key"] for k in keys]
     if primary and primary in names:
         return primary
-    cands = [n for n in names if not _is_system(n)]
+    # a key of unknown direction cannot decide (gpuplane/vocab.py): better is undefined
+    known = {k["key"] for k in keys if k.get("direction") or vocab.name_direction(k["key"])}
+    cands = [n for n in names if not _is_system(n) and n in known]
     for test in (lambda n: is_eval_key(n) and _is_loss_like(n), is_eval_key,
                  _is_loss_like, lambda n: True):
         hit = [n for n in cands if test(n)]
@@ -252,7 +191,8 @@ def pick_primary(keys, primary=None):
 
 
 def _train_key(keys):
-    names = [k["key"] for k in keys if not _is_system(k["key"])]
+    names = [k["key"] for k in keys if not _is_system(k["key"])
+             and (k.get("direction") or vocab.name_direction(k["key"]))]
     for test in (lambda n: is_train_key(n) and _is_loss_like(n),
                  lambda n: _is_loss_like(n) and not is_eval_key(n), is_train_key):
         hit = [n for n in names if test(n)]
@@ -263,10 +203,8 @@ def _train_key(keys):
 
 def _counterpart(eval_key, names):
     """train/loss for val/loss: the same words once the eval word is dropped."""
-    rest = [w for w in _words(eval_key) if w not in _EVAL_WORDS]
     for n in names:
-        if n != eval_key and not is_eval_key(n) and \
-                [w for w in _words(n) if w not in _TRAIN_WORDS] == rest:
+        if n != eval_key and not is_eval_key(n) and vocab.base(n) == vocab.base(eval_key):
             return n
     return None
 
@@ -510,7 +448,8 @@ def compare_runs(runs, keys=None, primary=None):
                 "points": k.get("count") or (f and f["points"]) or 0,
             })
         metrics_out.append(_judge_metric(name, d, per_run))
-    primary_key = pick_primary([{"key": k} for k in names], primary)
+    primary_key = pick_primary([{"key": k, "direction": d} for k, d in names.items()],
+                               primary)
     top = next((m for m in metrics_out if m["key"] == primary_key), None)
     diff = config_diff([r["run"] for r in runs])
     acts = []
@@ -535,7 +474,7 @@ def _judge_metric(name, d, per_run):
     ranked.sort(key=lambda p: num(p["best"]) if d == "min" else -num(p["best"]))
     out = {"key": name, "direction": d, "runs": per_run, "winner": None, "runner_up": None,
            "margin": None, "noise": None, "significant": False}
-    if not ranked:
+    if not ranked or d is None:       # unknown direction: no run is better (vocab.py)
         return out
     out["winner"] = ranked[0]["run_id"]
     if len(ranked) > 1:

@@ -3,11 +3,12 @@
 A series is answered from the rollup levels up to the key's rolled step and from raw
 points after it, at the coarsest level that still gives enough buckets, so a query never
 lags the ingest and costs about the same whatever the run's length. The SQL is in
-gpuplane/db/metrics.py; the judgements (direction, trend) in gpuplane/semantic.py.
+gpuplane/db/metrics.py; what a key means (role, direction) is gpuplane/vocab.py's, the
+trend gpuplane/semantic.py's.
 """
 
-from . import semantic
-from .db import metrics as store
+from . import semantic, vocab
+from .db import metric_defs, metrics as store, runs as run_store
 from .db.metrics import BASE, LEVELS
 from .metricwire import MAX_STEP, encode
 
@@ -121,11 +122,16 @@ def _cover(conn, key_id, rolled, top):
 
 
 def summary(db, run_id):
-    """Per key: count, latest, best (by direction), trend, first and last step."""
+    """Per key: count, latest, best (by direction), trend, first and last step, and what
+    the vocabulary says of it (role, loss_like, direction and where it came from). The
+    direction: the run's metric definitions first, then the key's name."""
+    run = run_store.get(db, run_id)
+    defined = metric_defs.defined_directions(db, run["project"] or "",
+                                             run["experiment"] or "") if run else {}
     with db.read() as conn:
         out = []
         for key_id, key in store.keys_of_run(conn, run_id):
-            out.append(key_summary(db, key_id, key))
+            out.append(key_summary(db, key_id, key, defined.get(key)))
         # The agent's TensorBoard tail names a curve tb/<tag>; when the SDK logs the same
         # curve as <tag>, both arrive. The SDK's is kept (the script's own values, at its
         # own steps); the TensorBoard copy says so and readers show it once.
@@ -137,12 +143,14 @@ def summary(db, run_id):
 
 
 def key_summary(db, key_id, key, d=None):
-    """One key's summary; `d` ('min' | 'max') overrides the direction read from its name."""
+    """One key's summary; `d` ('min' | 'max', a metric definition's) wins over the
+    direction read from its name. A key of unknown direction (a counter, a schedule, a
+    name that says nothing) is not judged: no best, no trend."""
+    meaning = vocab.describe(key, d)
+    d = meaning["direction"]
+    judged = d is not None
     with db.read() as conn:
         rolled, top, pruned = store.read_state(conn, key_id)
-        # Counters and schedules are not judged, unless a metric definition gave `d`.
-        judged = d is not None or not semantic.is_step_like(key)
-        d = d or semantic.direction(key)
         count, first, last_step = 0, None, None
         best = None          # (value, width, row)
         for w, row in _cover(conn, key_id, rolled, top):
@@ -150,7 +158,7 @@ def key_summary(db, key_id, key, d=None):
             count += n
             first = fs if first is None else min(first, fs)
             last_step = ls if last_step is None else max(last_step, ls)
-            v = mn if d == "min" else mx
+            v = None if not judged else mn if d == "min" else mx
             if v is not None and (best is None or (v < best[0] if d == "min" else v > best[0])):
                 best = (v, w, row)
         latest = store.latest_point(conn, key_id)
@@ -167,9 +175,10 @@ def key_summary(db, key_id, key, d=None):
             {"step": latest[0], "value": encode(latest[1]), "ts": latest[2]},
             "best": None if best is None or not judged else
             {"step": _best_step(conn, key_id, d, best), "value": encode(best[0])},
-            "direction": d if judged else None,
+            "direction": d,
             "trend": semantic.trend(series(db, key_id, max_points=200)[1], d) if judged else None,
             "judged": judged,
+            **{k: meaning[k] for k in ("role", "loss_like", "counter", "direction_from")},
             "first_step": first,
             "last_step": last_step,
         }

@@ -183,13 +183,13 @@ def test_idempotent_reingest(client, db):
 
 def test_out_of_order_and_replaced_points_reach_rollups(client, db):
     run = new_run(client)
-    post(client, run, ["m"], [[0, s, 1.0, TS] for s in range(0, 4000, 2)])
+    post(client, run, ["loss"], [[0, s, 1.0, TS] for s in range(0, 4000, 2)])
     rollup.roll_up(db)
     # Odd steps arrive late, and one old point is replaced by a spike.
-    post(client, run, ["m"], [[0, s, 2.0, TS] for s in range(3999, 0, -2)])
-    post(client, run, ["m"], [[0, 1234, -50.0, TS]])
+    post(client, run, ["loss"], [[0, s, 2.0, TS] for s in range(3999, 0, -2)])
+    post(client, run, ["loss"], [[0, 1234, -50.0, TS]])
     rollup.roll_up(db)
-    s = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=10")
+    s = get(client, f"/api/v1/runs/{run}/metrics/loss?max_points=10")
     assert sum(p[5] for p in s["points"]) == 4000
     assert min(p[1] for p in s["points"]) == -50.0
     assert max(p[2] for p in s["points"]) == 2.0
@@ -206,9 +206,9 @@ def test_out_of_order_and_replaced_points_reach_rollups(client, db):
 
 def test_new_coarse_level_covers_history(client, db):
     run = new_run(client)
-    post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100)])
+    post(client, run, ["loss"], [[0, s, float(s), TS] for s in range(100)])
     rollup.roll_up(db)
-    post(client, run, ["m"], [[0, s, float(s), TS] for s in range(100_000, 100_050)])
+    post(client, run, ["loss"], [[0, s, float(s), TS] for s in range(100_000, 100_050)])
     rollup.roll_up(db)
     top = db.query_one("SELECT top_width FROM metric_rollup")[0]
     assert top > 100_050
@@ -222,20 +222,20 @@ def test_retention_prunes_raw_and_keeps_rollups(client, db, app):
     old = recent - 30 * 86_400_000
     values = [float(i % 100) for i in range(10_000)]
     with db.tx() as c:
-        metrics.ingest(c, run, ["m"], [[0, i, v, old] for i, v in enumerate(values)])
-        metrics.ingest(c, run, ["m"], [[0, 10_000 + i, 7.0, recent] for i in range(100)])
+        metrics.ingest(c, run, ["loss"], [[0, i, v, old] for i, v in enumerate(values)])
+        metrics.ingest(c, run, ["loss"], [[0, 10_000 + i, 7.0, recent] for i in range(100)])
     rollup = Rollup(db, {"raw_retention_days": 7})
-    before = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=50")
+    before = get(client, f"/api/v1/runs/{run}/metrics/loss?max_points=50")
     rollup.tick()
     assert count_points(db) == 100           # only the recent points are raw now
-    after = get(client, f"/api/v1/runs/{run}/metrics/m?max_points=50")
+    after = get(client, f"/api/v1/runs/{run}/metrics/loss?max_points=50")
     assert sum(p[5] for p in after["points"]) == 10_100
     assert after["points"] == before["points"]
     summary = get(client, f"/api/v1/runs/{run}/metrics")["keys"][0]
     assert summary["count"] == 10_100 and summary["first_step"] == 0
     assert summary["best"]["value"] == 0.0
     # A narrow old range can no longer be raw: it comes from the finest level.
-    s = get(client, f"/api/v1/runs/{run}/metrics/m?from_step=0&to_step=40")
+    s = get(client, f"/api/v1/runs/{run}/metrics/loss?from_step=0&to_step=40")
     assert s["level"] == 16 and s["points"][0][1:4] == [0.0, 15.0, 7.5]
     # Keep-forever is the default.
     assert Rollup(db, {}).prune(now=recent * 2) == 0
@@ -370,7 +370,8 @@ def test_summary_best_latest_trend(client, db):
     ingest_series(db, run, "train/loss", [10.0 / (1 + i / 100) for i in range(n)])
     ingest_series(db, run, "val/acc", [0.9 - i / n / 2 for i in range(n)])
     ingest_series(db, run, "lr", [0.1] * n)
-    ingest_series(db, run, "one", [1.0])
+    ingest_series(db, run, "one/loss", [1.0])
+    ingest_series(db, run, "compare/a", [float(i) for i in range(100)])   # add_scalars
     rollup.roll_up(db)
     ingest_series(db, run, "train/loss", [0.001], start=n)   # the best, still raw
     keys = {k["key"]: k for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]}
@@ -384,7 +385,13 @@ def test_summary_best_latest_trend(client, db):
     assert acc["best"] == {"step": 0, "value": 0.9}
     # a schedule is not judged (issue 9 item 15)
     assert keys["lr"]["trend"] is None and keys["lr"]["judged"] is False
-    assert keys["one"]["trend"] == "unknown" and keys["one"]["count"] == 1
+    assert keys["one/loss"]["trend"] == "unknown" and keys["one/loss"]["count"] == 1
+    # a name that says nothing of its direction: goal unknown, never better or worse
+    a = keys["compare/a"]
+    assert a["direction"] is None and a["trend"] is None and a["best"] is None
+    assert a["judged"] is False and a["role"] == "other" and not a["counter"]
+    assert loss["role"] == "train" and loss["loss_like"] and loss["direction_from"] == "name"
+    assert acc["role"] == "eval" and not acc["loss_like"]
 
 
 def test_best_step_found_through_levels(client, db):
@@ -400,8 +407,8 @@ def test_best_step_found_through_levels(client, db):
 
 @pytest.mark.parametrize("key,want", [
     ("train/loss", "min"), ("val_acc", "max"), ("eval/accuracy_top1", "max"),
-    ("reward/mean", "max"), ("perplexity", "min"), ("step_time", "min"), ("lr", "min"),
-    ("val/wer", "min"), ("f1", "max"),
+    ("reward/mean", "max"), ("perplexity", "min"), ("step_time", "min"), ("lr", None),
+    ("val/wer", "min"), ("f1", "max"), ("val/mse", "min"), ("compare/a", None),
 ])
 def test_direction(key, want):
     assert semantic.direction(key) == want
@@ -637,3 +644,23 @@ def test_merge_rows_keeps_a_nan_sum_nan():
     assert m[:5] == (0, 0, 31, -math.inf, math.inf) and math.isnan(m[5])
     assert m[6:] == (32, 27, 2.0, TS)
     assert metrics.merge_rows(plain, only_nan)[3:8] == (1.0, 2.0, 24.0, 25, 16)
+
+
+def test_summary_direction_from_a_definition(client, db):
+    """`gpuplane metric set KEY --direction` decides before the name, in the summaries that
+    `run show`, get_metric_summary and the dashboard read (gpuplane/vocab.py)."""
+    run = new_run(client)
+    ingest_series(db, run, "compare/a", [float(i) for i in range(200)])
+    ingest_series(db, run, "val/acc", [float(i) for i in range(200)])
+    keys = {k["key"]: k for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]}
+    assert keys["compare/a"]["direction"] is None and keys["compare/a"]["trend"] is None
+    for key, d in (("compare/a", "max"), ("val/acc", "min")):
+        r = client.put("/api/v1/metric-definitions", json={"key": key, "project": "p",
+                                                          "direction": d})
+        assert r.status_code == 200, r.get_json()
+    keys = {k["key"]: k for k in get(client, f"/api/v1/runs/{run}/metrics")["keys"]}
+    a, acc = keys["compare/a"], keys["val/acc"]
+    assert (a["direction"], a["direction_from"], a["trend"]) == ("max", "definition",
+                                                                 "improving")
+    assert a["best"] == {"step": 199, "value": 199.0}
+    assert (acc["direction"], acc["trend"], acc["best"]["step"]) == ("min", "worsening", 0)

@@ -2,7 +2,7 @@
 import math
 import random
 
-from gpuplane import rules
+from gpuplane import rules, vocab
 
 CFG = rules.DEFAULTS
 
@@ -108,7 +108,7 @@ def test_eval_pairs_and_loss_keys():
     assert rules.eval_pair("val_loss") == ("eval", "loss")
     assert rules.is_loss("train/loss") and not rules.is_loss("train/acc")
     assert not rules.is_loss("sys/gpu0/util")
-    assert rules.higher_is_better("eval/accuracy") and not rules.higher_is_better("eval/loss")
+    assert vocab.direction("eval/accuracy") == "max" and vocab.direction("eval/loss") == "min"
 
 
 def test_stall_uses_the_jobs_own_interval():

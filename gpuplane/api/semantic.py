@@ -67,6 +67,8 @@ def diagnosis(run_id):
     if key and not any(k["key"] == key for k in b["keys"]):
         names = ", ".join(k["key"] for k in b["keys"]) or "none yet"
         raise BadRequest(f"run {run_id} has no metric {key!r}; its metrics: {names}")
+    if key and not next(k for k in b["keys"] if k["key"] == key)["direction"]:
+        raise BadRequest(recommend.unknown_direction(key))
     return _json(semantic.diagnose_run(b["run"], b["keys"],
                                        load.run_events(current_db(), run_id),
                                        now_ms=now_ms(), primary=key))
@@ -118,7 +120,8 @@ def compare_checkpoints():
         raise BadRequest(f"no run among {run_ids} has the metric {key!r}, and no evaluation "
                          f"of their checkpoints does; the runs have: "
                          f"{', '.join(names) or 'no metrics yet'}")
-    direction = direction or semantic.direction(key or "")
+    if key and direction is None:
+        raise BadRequest(recommend.unknown_direction(key))
     result = semantic.compare_checkpoints(cks, key, direction)
     best = semantic.get_best_checkpoint(cks, key, direction)
     result["recommendation"] = {k: best[k] for k in

@@ -7,6 +7,7 @@ import os
 import re
 import socket
 
+from .. import vocab
 from .common import CliError
 
 BATCH = 5000
@@ -19,15 +20,12 @@ _HF_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 def checkpoint_step(name):
-    """(step, epoch) from a file name: epoch=3-step=1200.ckpt, ckpt-1500.pt, epoch_2.pt."""
-    m = re.search(r"(?:global_step|step|iter|it)[=_-]?(\d+)", name, re.I)
-    e = re.search(r"epoch[=_-]?(\d+)", name, re.I)
-    step = int(m.group(1)) if m else None
-    epoch = float(e.group(1)) if e else None
-    if step is None and epoch is None:
-        nums = re.findall(r"\d+", name)
-        step = int(nums[-1]) if nums else None
-    return step, epoch
+    """(step, epoch) from a checkpoint's file name: the agent's own function, so a watched
+    directory and an imported one give a checkpoint the same step. agent.py is the one
+    owner (it is copied alone to GPU hosts and imports nothing of the server, so it cannot
+    ask gpuplane/); it ships in this package as the module `agent`."""
+    from agent import checkpoint_step as agents
+    return agents(name)
 
 
 def _size(path):
@@ -95,12 +93,7 @@ def read_scalars(path):
     return out
 
 
-def _wire(v):
-    if v != v:
-        return "NaN"
-    if v in (float("inf"), float("-inf")):
-        return "Infinity" if v > 0 else "-Infinity"
-    return v
+_wire = vocab.encode        # NaN and infinities as the wire's strings
 
 
 def import_dir(client, directory, project, experiment="", name=None, progress=None):

@@ -104,8 +104,11 @@ def cmd_run_show(args):
     for k in keys:
         series = client.get_run_metric(run["id"], k["key"], max_points=SPARK_WIDTH)
         k["sparkline"] = sparkline(series["points"])
+    # the verdict in diagnose_run's own words (the semantic layer's; the dashboard shows
+    # the same answer beside the run's curves)
+    diagnosis = client.diagnose_run(run["id"])
     if args.json:
-        print_json({"run": run, "metrics": keys})
+        print_json({"run": run, "metrics": keys, "diagnosis": diagnosis})
         return EXIT_OK
     title = f"run {run['id']}" + (f" {run['name']}" if run.get("name") else "")
     where = "/".join(x for x in (run.get("project"), run.get("experiment")) if x)
@@ -129,7 +132,7 @@ def cmd_run_show(args):
         rows = []
         for k in keys:
             latest, best = k.get("latest"), k.get("best")
-            rows.append([k["key"], _at(latest), _at(best), k["direction"], k["trend"],
+            rows.append([k["key"], _at(latest), _at(best), goal(k), k["trend"],
                          k["count"], k["sparkline"]])
         print_table(rows, ["METRIC", "LATEST", "BEST", "GOAL", "TREND", "POINTS",
                            "WHOLE RUN"])
@@ -137,12 +140,30 @@ def cmd_run_show(args):
         note("shown once: " + ", ".join(f"{k['key']} (the same curve as {k['duplicate_of']}, "
                                         "read from TensorBoard files)" for k in hidden)
              + " left out; the SDK's values are kept. --all shows both")
-    if any(k.get("judged") is False for k in keys):
+    if any(k.get("counter") and not k.get("direction") for k in keys):
         note("GOAL and TREND are left out for counters and schedules (epoch, step, lr, ...): "
              "they move because training moves, not because it goes well")
+    unknown = [k["key"] for k in keys if goal(k) == "unknown"]
+    if unknown:
+        note(f"goal unknown for {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}:"
+             " the name says neither lower nor higher is better, so it is not judged; "
+             f"say which: gpuplane metric set {unknown[0]} --direction min|max")
+    print(f"\nverdict: {diagnosis['verdict'].upper()} — {diagnosis['summary']}")
+    for e in diagnosis.get("evidence") or []:
+        print(f"  - {e}")
     from .events import print_recent
     print_recent(client, run=run["id"])
     return EXIT_OK
+
+
+def goal(k):
+    """The GOAL column: the server's direction (gpuplane/vocab.py decides it); a counter or
+    a system metric has none to show, another key without one is "unknown"."""
+    if k.get("direction"):
+        return k["direction"]
+    if k.get("counter") or k.get("role") == "system":
+        return None
+    return "unknown"
 
 
 def _at(point):

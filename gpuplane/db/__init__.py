@@ -33,7 +33,15 @@ import threading
 import time
 import weakref
 
+from .. import vocab
+
 log = logging.getLogger(__name__)
+
+
+def not_system(col):
+    """SQL: `col` (a metric key) is not a system key, by vocab.SYSTEM_PREFIXES (GLOB is
+    case-sensitive, as str.startswith is)."""
+    return "(" + " AND ".join(f"{col} NOT GLOB '{p}*'" for p in vocab.SYSTEM_PREFIXES) + ")"
 
 
 def now_ms():

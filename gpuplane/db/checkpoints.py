@@ -10,7 +10,7 @@ results what the job's run logged.
 import os
 import re
 
-from . import dumps, loads, now_ms
+from . import dumps, loads, not_system, now_ms
 
 # How sure a step is; a registration only replaces a step with a surer one.
 STEP_RANK = {"none": 0, "latest": 1, "name": 2, "given": 3}
@@ -18,8 +18,8 @@ STEP_RANK = {"none": 0, "latest": 1, "name": 2, "given": 3}
 EVAL_STATE = {"QUEUED": "QUEUED", "DISPATCHED": "QUEUED", "RUNNING": "RUNNING",
               "SUCCEEDED": "SUCCEEDED", "FAILED": "FAILED", "CANCELLED": "FAILED"}
 
-# Keys the agent measures itself: not training semantics, left out of checkpoint values.
-SYSTEM_PREFIX = "sys/"
+# Keys the agent measures itself (gpuplane/vocab.py's system keys) are not training
+# semantics: left out of checkpoint values.
 
 
 def guess_format(path):
@@ -42,7 +42,7 @@ def latest_step(conn, run_id):
     """The run's latest step over its training keys (None without points)."""
     row = conn.execute(
         "SELECT max((SELECT max(step) FROM points WHERE key_id = k.id)) FROM metric_keys k"
-        " WHERE k.run_id = ? AND k.key NOT LIKE 'sys/%'", (run_id,)).fetchone()
+        " WHERE k.run_id = ? AND " + not_system("k.key"), (run_id,)).fetchone()
     return row[0]
 
 
@@ -115,7 +115,7 @@ WITH k AS MATERIALIZED (
             ORDER BY step DESC LIMIT 1) AS lo,
            (SELECT step FROM points WHERE key_id = k.id AND step >= :s
             ORDER BY step LIMIT 1) AS hi
-    FROM metric_keys k WHERE k.run_id = :r AND k.key NOT LIKE 'sys/%'
+    FROM metric_keys k WHERE k.run_id = :r AND """ + not_system("k.key") + """
 ), n AS MATERIALIZED (
     SELECT id, key, CASE WHEN lo IS NULL THEN hi WHEN hi IS NULL THEN lo
                          WHEN :s - lo <= hi - :s THEN lo ELSE hi END AS step FROM k
@@ -160,7 +160,7 @@ def _latest_values(db, run_id):
     return {key: {"step": s, "value": v} for key, s, v in db.query(
         "SELECT k.key, p.step, p.value FROM metric_keys k JOIN points p ON p.key_id = k.id"
         " AND p.step = (SELECT max(step) FROM points WHERE key_id = k.id)"
-        " WHERE k.run_id = ? AND k.key NOT LIKE 'sys/%' ORDER BY k.key", (run_id,))}
+        f" WHERE k.run_id = ? AND {not_system('k.key')} ORDER BY k.key", (run_id,))}
 
 
 def evaluations(db, checkpoint_id):
@@ -223,7 +223,7 @@ def scope_keys(db, run_id=None, project=None, experiment=None, sweep_id=None):
     return db.query(
         "SELECT k.key, count(*) FROM metric_keys k WHERE k.run_id IN (SELECT DISTINCT c.run_id"
         " FROM checkpoints c JOIN runs r ON r.id = c.run_id LEFT JOIN jobs j ON j.id = r.job_id"
-        f" WHERE {where}) AND k.key NOT LIKE 'sys/%' GROUP BY k.key ORDER BY k.key", params)
+        f" WHERE {where}) AND {not_system('k.key')} GROUP BY k.key ORDER BY k.key", params)
 
 
 # The value at the nearest step: the point at the checkpoint's own step when there is one

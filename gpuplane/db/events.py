@@ -1,5 +1,5 @@
 """Events: lifecycle and rule findings, one table, newest last."""
-from . import dumps, loads, now_ms
+from . import dumps, loads, not_system, now_ms
 
 
 def add(conn, type, message="", *, severity="info", run_id=None, job_id=None, node=None,
@@ -134,9 +134,9 @@ def last_id(db):
 
 
 def run_context(db, run_id):
-    """What the engine needs to know of a run: its job, node, state and source."""
-    row = db.query_one("SELECT id, job_id, attempt, node, state, source FROM runs WHERE id = ?",
-                       (run_id,))
+    """What the engine needs to know of a run: its job, node, state, source and scope."""
+    row = db.query_one("SELECT id, job_id, attempt, node, state, source, project, experiment"
+                       " FROM runs WHERE id = ?", (run_id,))
     return dict(row) if row else None
 
 
@@ -166,11 +166,11 @@ def running_job_runs(db):
 
 
 def last_activity(db, run_id, job_id, attempt):
-    """The times (ms) of a run's latest progress: points of keys that are not sys/*, and
+    """The times (ms) of a run's latest progress: points of keys that are not system keys, and
     its job's log lines — to rebuild STALLED's clock after a restart."""
     pts = []
-    for (key_id,) in db.query("SELECT id FROM metric_keys WHERE run_id = ? AND key NOT LIKE"
-                              " 'sys/%' LIMIT 50", (run_id,)):
+    for (key_id,) in db.query("SELECT id FROM metric_keys WHERE run_id = ? AND "
+                              f"{not_system('key')} LIMIT 50", (run_id,)):
         pts += [r[0] for r in db.query("SELECT ts FROM points WHERE key_id = ?"
                                        " ORDER BY step DESC LIMIT 65", (key_id,))]
     lines = [r[0] for r in db.query(

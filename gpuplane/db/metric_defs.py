@@ -2,11 +2,11 @@
 
 A scope is global (project '' and experiment ''), a project (experiment ''), or an
 experiment. What a key means in an experiment is resolved experiment -> project ->
-global, and without any definition its direction comes from its name (loss, error,
-perplexity -> min; acc, f1, bleu, reward -> max). One key at most is primary per scope.
+global, and without any definition its direction comes from its name, else it is unknown
+(gpuplane/vocab.py decides; docs/metrics.md). One key at most is primary per scope.
 """
 from . import now_ms
-from ..semantic import direction as name_direction
+from .. import vocab
 
 
 def _scopes(project, experiment):
@@ -75,15 +75,41 @@ def list_definitions(db, project=None, experiment=None):
     return [to_dict(r) for r in rows]
 
 
-def resolve_direction(db, key, project="", experiment=""):
-    """(direction, where it came from: experiment | project | global | name)."""
+def defined_direction(db, key, project="", experiment=""):
+    """(direction, scope label) of the most specific definition that gives one, else
+    (None, None)."""
     for p, e, label in _scopes(project, experiment):
         row = db.query_one("SELECT direction FROM metric_definitions WHERE project = ?"
                            " AND experiment = ? AND key = ? AND direction IS NOT NULL",
                            (p, e, key))
         if row:
             return row[0], label
-    return name_direction(key), "name"
+    return None, None
+
+
+def defined_directions(db, project="", experiment=""):
+    """{key: direction} of every definition that gives one in the scopes that apply to
+    (project, experiment), the most specific winning: one query for a whole run."""
+    scopes = _scopes(project, experiment)
+    rank = {(p, e): i for i, (p, e, _) in enumerate(scopes)}
+    marks = " OR ".join(["(project = ? AND experiment = ?)"] * len(scopes))
+    out = {}
+    rows = db.query(f"SELECT key, project, experiment, direction FROM metric_definitions"
+                    f" WHERE direction IS NOT NULL AND ({marks})",
+                    [v for p, e, _ in scopes for v in (p, e)])
+    for r in sorted(rows, key=lambda r: -rank[(r["project"], r["experiment"])]):
+        out[r["key"]] = r["direction"]
+    return out
+
+
+def resolve_direction(db, key, project="", experiment=""):
+    """(direction, where it came from: experiment | project | global | name), or
+    (None, None) when neither a definition nor the name says (vocab.direction)."""
+    d, label = defined_direction(db, key, project, experiment)
+    if d is not None:
+        return d, label
+    d = vocab.name_direction(key)
+    return (d, "name") if d else (None, None)
 
 
 def resolve_primary(db, project="", experiment=""):

@@ -11,14 +11,14 @@ def key_data(db, run_id, keys=None, max_points=SERIES_POINTS):
     downsampled series [[step, mean], ...]."""
     out = []
     run = runs.get(db, run_id)
+    # the direction a metric definition gives a key (docs/checkpoints.md), else its name's
+    defined = metric_defs.defined_directions(db, run["project"] or "",
+                                             run["experiment"] or "") if run else {}
     for key_id, key in db.query("SELECT id, key FROM metric_keys WHERE run_id = ?"
                                 " ORDER BY key", (run_id,)):
         if keys is not None and key not in keys:
             continue
-        # the direction a metric definition gives it (docs/checkpoints.md), else its name's
-        d = metric_defs.resolve_direction(db, key, run["project"], run["experiment"])[0] \
-            if run else None
-        s = series.key_summary(db, key_id, key, d)
+        s = series.key_summary(db, key_id, key, defined.get(key))
         _, pts = series.series(db, key_id, max_points)
         # A bucket holding a NaN has a finite mean; its last value tells the NaN apart.
         s["points"] = [[p[0], p[3]] for p in pts]

@@ -48,10 +48,12 @@ export async function render(root, _params, query) {
       const s = await api(`/runs/${run.id}/metrics`).catch(() => ({ keys: [] }));
       return { run, summary: Object.fromEntries(s.keys.map((k) => [k.key, k])) };
     }));
-    const keys = [...new Set(rows.flatMap((r) => Object.keys(r.summary)))].filter((k) => !k.startsWith("sys/")).sort();
+    // roles and directions are the server's (gpuplane/vocab.py)
+    const meaning = new Map(rows.flatMap((r) => Object.values(r.summary)).map((k) => [k.key, k]));
+    const keys = [...meaning.keys()].filter((k) => meaning.get(k).role !== "system").sort();
     const cur = keySel.value || await primaryKey(p, e);
     replace(keySel, keys.length ? keys.map((k) => h("option", { value: k, text: k })) : h("option", { value: "", text: "no metrics" }));
-    keySel.value = keys.includes(cur) ? cur : (keys.find((k) => /val|eval/.test(k) && /loss|acc/.test(k)) || keys[0] || "");
+    keySel.value = keys.includes(cur) ? cur : (keys.find((k) => meaning.get(k).role === "eval" && meaning.get(k).direction) || keys.find((k) => meaning.get(k).direction) || keys[0] || "");
     selected.clear();
     rows.slice(0, 5).forEach((r) => selected.add(r.run.id));
     draw();

@@ -16,6 +16,7 @@ export async function render(root, [id]) {
   const head = h("div", { class: "page-head" });
   const facts = h("dl", { class: "facts" });
   const keysTable = h("div", { id: "keys" });
+  const verdictEl = h("div", { id: "verdict", "aria-live": "polite" });
   const trainEl = h("div", { class: "charts", id: "charts" });
   const sysEl = h("div", { class: "charts", id: "sys-charts" });
   const eventsEl = h("ul", { class: "events", id: "run-events" });
@@ -59,16 +60,21 @@ export async function render(root, [id]) {
       fact("Started", r.started_at ? `${fmtTime(r.started_at)} · ${fmtDuration(r.started_at, r.ended_at)}` : fmtTime(r.created_at)));
   }
 
+  // What a key means (its role, its direction) is the server's (gpuplane/vocab.py): each
+  // key of the summary carries it; a key first seen live waits for the next summary.
+  const roles = new Map();
+  const isSystem = (key) => roles.get(key) === "system";
   function drawKeys(keys) {
-    const train = keys.filter((k) => !k.key.startsWith("sys/"));
+    for (const k of keys) roles.set(k.key, k.role);
+    const train = keys.filter((k) => k.role !== "system");
     replace(keysTable, train.length ? h("table", { class: "table keys" },
       h("thead", {}, h("tr", {}, ["Metric", "Latest", "Best", "at step", "Trend", "Points"].map((t) => h("th", { text: t })))),
       h("tbody", {}, train.map((k) => h("tr", {},
-        h("td", {}, h("a", { href: `#chart-${cssId(k.key)}`, text: k.key }), h("span", { class: "muted small", text: ` ${k.direction === "max" ? "↑ higher is better" : "↓ lower is better"}` })),
+        h("td", {}, h("a", { href: `#chart-${cssId(k.key)}`, text: k.key }), h("span", { class: "muted small goal", text: ` ${goalText(k)}` })),
         h("td", { class: "num", text: k.latest ? fmtNum(k.latest.value) : "" }),
         h("td", { class: "num", text: k.best ? fmtNum(k.best.value) : "" }),
         h("td", { class: "num", text: k.best ? String(k.best.step) : "" }),
-        h("td", { class: `trend t-${k.trend}`, text: k.trend }),
+        h("td", { class: `trend t-${k.trend}`, text: k.trend || "" }),
         h("td", { class: "num", text: String(k.count) })))))
       : h("p", { class: "muted", text: "No training metrics yet. Log them with the SDK (run.log) or point the job at a TensorBoard dir." }));
   }
@@ -83,15 +89,28 @@ export async function render(root, [id]) {
     }
   }, { rootMargin: "800px" });
 
+  // The run's verdict beside its curves: diagnose_run's answer as the server gives it (the
+  // words of `gpuplane diagnose` and `run show`); nothing of it is decided here.
+  async function drawVerdict() {
+    const d = await optional(`/runs/${runId}/diagnosis`).catch(() => null);
+    if (!d) { replace(verdictEl); return; }
+    const tone = { healthy: "ok", "too early to tell": "", stalled: "warn", plateaued: "warn" }[d.verdict] ?? "bad";
+    replace(verdictEl, h("div", { class: `notice verdict ${tone === "ok" ? "ok" : tone === "bad" ? "error" : ""}`, "data-verdict": d.verdict },
+      h("strong", { class: "verdict-word", text: d.verdict.toUpperCase() }), " — ",
+      h("span", { class: "verdict-summary", text: d.summary }),
+      d.primary_key ? h("span", { class: "muted small", text: ` (judged on ${d.primary_key})` }) : null,
+      d.evidence && d.evidence.length ? h("ul", { class: "small evidence" }, d.evidence.map((e) => h("li", { text: e }))) : null));
+  }
+
   let colour = 0;
   function ensureChart(key) {
     if (charts.has(key)) return charts.get(key);
-    const c = new MetricChart({ title: key, source: seriesSource(runId, key), color: PALETTE[colour++ % PALETTE.length], options, markers: key.startsWith("sys/") ? [] : markers, time: key.startsWith("sys/") });
+    const c = new MetricChart({ title: key, source: seriesSource(runId, key), color: PALETTE[colour++ % PALETTE.length], options, markers: isSystem(key) ? [] : markers, time: isSystem(key) });
     c.el.id = `chart-${cssId(key)}`;
     c.el._chart = c;
     charts.set(key, c);
     window.gpuplane.charts[key] = c;
-    const target = key.startsWith("sys/") ? sysEl : trainEl;
+    const target = isSystem(key) ? sysEl : trainEl;
     if (target === sysEl) sysEl.querySelector(":scope > p")?.remove();
     const siblings = [...target.children].filter((x) => x.dataset.key);
     const before = siblings.find((x) => x.dataset.key > key);
@@ -109,7 +128,7 @@ export async function render(root, [id]) {
   }
 
   root.append(head, msg, facts,
-    h("section", {}, h("h2", { text: "Metrics" }), keysTable),
+    h("section", {}, h("h2", { text: "Metrics" }), verdictEl, keysTable),
     h("div", { class: "row chart-controls" },
       h("label", { for: "smoothing", text: "Smoothing" }), smoothIn, smoothOut,
       h("label", { class: "check" }, logIn, " log scale"),
@@ -121,8 +140,9 @@ export async function render(root, [id]) {
     h("section", {}, h("h2", { text: "Events" }), eventsEl));
   drawHead();
   drawKeys(summary.keys);
+  drawVerdict();
   for (const k of summary.keys) ensureChart(k.key);
-  if (!summary.keys.some((k) => k.key.startsWith("sys/"))) sysEl.append(h("p", { class: "muted", text: "No system metrics for this run." }));
+  if (!summary.keys.some((k) => k.role === "system")) sysEl.append(h("p", { class: "muted", text: "No system metrics for this run." }));
   drawEvents([]);
   loadCheckpoints(runId, ckptEl, msg).catch((e) => replace(ckptEl, errorBox(e)));
 
@@ -138,19 +158,28 @@ export async function render(root, [id]) {
   let summaryTimer = null;
   const offRun = live.subscribe(`run:${runId}`, (d) => {
     if (d.run) {
+      const ended = d.run.state !== currentRun.state;
       currentRun = d.run;
       drawHead();
+      if (ended) drawVerdict();
     }
     const fresh = d.tips || {};
+    let unseen = false;
     for (const [key, step] of Object.entries(fresh)) {
+      if (!roles.has(key)) { unseen = true; continue; }      // its role comes with the summary
       const c = ensureChart(key);
       if (tips && tips[key] !== step && c.raw) c.refresh();
     }
-    if (tips && JSON.stringify(tips) !== JSON.stringify(fresh) && !summaryTimer) {
+    if ((unseen || (tips && JSON.stringify(tips) !== JSON.stringify(fresh))) && !summaryTimer) {
       summaryTimer = setTimeout(async () => {
         summaryTimer = null;
-        try { drawKeys((await api(`/runs/${runId}/metrics`)).keys); } catch { /* next update */ }
-      }, 3000);
+        try {
+          const keys = (await api(`/runs/${runId}/metrics`)).keys;
+          drawKeys(keys);
+          for (const k of keys) ensureChart(k.key);
+          await drawVerdict();
+        } catch { /* next update */ }
+      }, unseen ? 300 : 3000);
     }
     tips = fresh;
   });
@@ -158,6 +187,14 @@ export async function render(root, [id]) {
     offEvents(); offRun(); io.disconnect(); ro.disconnect(); clearTimeout(summaryTimer);
     for (const c of charts.values()) c.destroy();
   };
+}
+
+// The goal of a key as the server decided it: a counter or schedule has none to show, a
+// name that says nothing is "goal unknown" (never judged better or worse).
+function goalText(k) {
+  if (k.direction === "max") return "↑ higher is better";
+  if (k.direction === "min") return "↓ lower is better";
+  return k.counter ? "" : "goal unknown";
 }
 
 function cssId(key) {
