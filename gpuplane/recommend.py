@@ -76,11 +76,7 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
         return {"scope": scope, "metric": metric, "key": key, "direction": None,
                 "checkpoint": None, "runner_up": None, "margin": None, "source": None,
                 "candidates": 0, "evaluated": 0,
-                "reason": unknown_direction(key),
-                "next_actions": [semantic.action(
-                    "set_primary_metric", f"say whether lower or higher {key} is better",
-                    key=key, direction="<min or max>", project=project or "",
-                    experiment=experiment or "")]}
+                "reason": unknown_direction(key), "next_actions": []}
     cands = checkpoints.candidates(db, key, **q)
     # semantic.get_best_checkpoint ranks evaluated checkpoints first, then training
     # values, each by value, and looks at the top few of each kind (its `ranked` holds

@@ -106,7 +106,7 @@ def cmd_run_show(args):
         k["sparkline"] = sparkline(series["points"])
     # the verdict in diagnose_run's own words (the semantic layer's; the dashboard shows
     # the same answer beside the run's curves)
-    diagnosis = client.diagnose_run(run["id"])
+    diagnosis = client.get_run_diagnosis(run["id"])
     if args.json:
         print_json({"run": run, "metrics": keys, "diagnosis": diagnosis})
         return EXIT_OK
