@@ -54,6 +54,10 @@ SETTINGS = {
     # Per socket read/write once the headers are in.
     "io_timeout_s": (30, lambda v: _number(v) and 0.1 <= v <= 3600,
                      "a number of seconds from 0.1 to 3600"),
+    # A request body must be in within this (a body trickling in below io_timeout_s per
+    # read would otherwise hold a pool thread for ever).
+    "body_timeout_s": (60, lambda v: _number(v) and 0.1 <= v <= 3600,
+                       "a number of seconds from 0.1 to 3600"),
     # A disconnected node's jobs become NODE_LOST after this.
     "node_grace_s": (60, lambda v: _number(v) and 0 < v <= 86400 * 7,
                      "a number of seconds above 0 (e.g. 60)"),
@@ -95,6 +99,7 @@ class ServerConfig:
     rest_threads: int | None = None
     header_timeout_s: float = SERVER_DEFAULTS["header_timeout_s"]
     io_timeout_s: float = SERVER_DEFAULTS["io_timeout_s"]
+    body_timeout_s: float = SERVER_DEFAULTS["body_timeout_s"]
     node_grace_s: float = SERVER_DEFAULTS["node_grace_s"]
     heartbeat_s: float = SERVER_DEFAULTS["heartbeat_s"]
     log_keep_lines: int = SERVER_DEFAULTS["log_keep_lines"]
@@ -206,7 +211,7 @@ def check_server_config(config):
         v = config.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{key} in server.toml must be a positive integer, got {v!r}")
-    for key in ("header_timeout_s", "io_timeout_s"):
+    for key in ("header_timeout_s", "io_timeout_s", "body_timeout_s"):
         v = config.get(key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.1 <= v <= 3600:
             raise ConfigError(f"{key} in server.toml must be a number of seconds from 0.1 "

@@ -101,7 +101,9 @@ def register(app):
 
     @app.errorhandler(Exception)
     def _unexpected(e):
-        from .db import PoolTimeout, is_write_failure
+        from .db import LimitExceeded, PoolTimeout, is_write_failure
+        if isinstance(e, LimitExceeded):
+            return error_response(413, "PayloadTooLarge", str(e))
         if isinstance(e, PoolTimeout):
             log.error("a request waited too long for a database connection: %s", e)
             resp = error_response(503, "Unavailable",

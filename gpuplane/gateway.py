@@ -8,6 +8,7 @@ reports go through gpuplane/lifecycle.py, which hands agent commands back here
 """
 import json
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -221,8 +222,9 @@ class Gateway:
         if not isinstance(epoch, str) or not epoch or len(epoch) > 200:
             raise _protocol("hello needs an 'epoch'")
         gpus = msg.get("gpus") or []
-        if not isinstance(gpus, list) or not all(isinstance(x, dict) for x in gpus):
-            raise _protocol("'gpus' must be a list of objects")
+        why = gpu_list_problem(gpus)
+        if why:
+            raise _protocol(f"hello: {why}")
         slots = msg.get("cpu_slots")
         if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool)
                                   or not 0 <= slots <= 4096):
@@ -390,7 +392,8 @@ class Gateway:
         if kind == "metrics":
             run_id = int(rec["run_id"])
             if runs.exists(c, run_id):
-                acc = metricwire.accept_batch(*_agent_points(rec["points"]))
+                acc = metrics.limit_keys(c, run_id,
+                                         metricwire.accept_batch(*_agent_points(rec["points"])))
                 if acc.refused.total:
                     # the good points of the record are kept; the bad ones counted
                     log.warning("node %s: run %d: %s", node, run_id, acc.refused.sentence())
@@ -402,6 +405,10 @@ class Gateway:
                         self.events.offer_points(run_id, acc.keys, acc.cols)
             return False
         if kind == "node_stats":
+            why = gpu_list_problem(rec.get("gpus") or []) or _flat_problem(
+                rec.get("host") or {}, "'host'", MAX_STAT_FIELDS)
+            if why:
+                raise ValueError(f"node_stats: {why}")      # skipped as malformed
             nodes.set_stats(c, node, {"gpus": rec.get("gpus") or [],
                                       "host": rec.get("host") or {}, "ts": ts})
             if self.events and isinstance(rec.get("host"), dict):
@@ -421,6 +428,8 @@ class Gateway:
         if kind == "event":
             _text(rec["type"], "type", 64)
             _text(rec.get("message", ""), "message", 4000)
+            if len(json.dumps(rec.get("data") or {})) > 64 * 1024:
+                raise ValueError("an event's 'data' holds at most 64 KiB as JSON")
             events.add(c, str(rec["type"]), str(rec.get("message", "")),
                        severity=rec.get("severity", "info"), run_id=rec.get("run_id"),
                        job_id=rec.get("job_id"), node=node, data=rec.get("data"), ts=ts)
@@ -481,6 +490,53 @@ class Gateway:
 
 def cancel_message(job_id, attempt):
     return {"type": "cancel", "job_id": job_id, "attempt": attempt}
+
+
+MAX_GPUS = 64            # GPUs a node may report (hello, node_stats)
+MAX_STAT_FIELDS = 64     # fields of one GPU's readings, or of the host's
+MAX_STAT_TEXT = 256      # characters of one text reading (a GPU's name, uuid)
+
+
+def _flat_problem(d, what, max_fields):
+    """Why `d` is not a flat object of readings (numbers, text, true/false, null), or None:
+    what the dashboard and /nodes show must never be a shape they cannot render."""
+    if not isinstance(d, dict):
+        return f"{what} must be an object"
+    if len(d) > max_fields:
+        return f"{what} has {len(d)} fields; at most {max_fields}"
+    for k, v in d.items():
+        if len(k) > 64:
+            return f"{what} has a field name over 64 characters"
+        if v is None or isinstance(v, (bool, int, float)):
+            if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+                return f"{what}.{k[:40]} is out of range"
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"{what}.{k[:40]} must be a finite number (or null)"
+            continue
+        if isinstance(v, str) and len(v) <= MAX_STAT_TEXT and "\0" not in v:
+            continue
+        return (f"{what}.{k[:40]} must be a number, true/false, null or text of at most "
+                f"{MAX_STAT_TEXT} characters")
+    return None
+
+
+def gpu_list_problem(gpus):
+    """Why a list of GPUs (hello's inventory, node_stats' readings) does not fit the
+    protocol (docs/protocol.md), or None."""
+    if not isinstance(gpus, list):
+        return "'gpus' must be a list of objects"
+    if len(gpus) > MAX_GPUS:
+        return f"'gpus' lists {len(gpus)} GPUs; at most {MAX_GPUS}"
+    seen = set()
+    for g in gpus:
+        why = _flat_problem(g, "a GPU", MAX_STAT_FIELDS)
+        if why:
+            return why
+        i = g.get("index")
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < 4096 or i in seen:
+            return "each GPU needs its own integer 'index' from 0 to 4095"
+        seen.add(i)
+    return None
 
 
 def _text(v, what, max_len):

@@ -25,6 +25,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 HEADER_TIMEOUT_ENV = "GPUPLANE_HEADER_TIMEOUT_S"
 IO_TIMEOUT_ENV = "GPUPLANE_IO_TIMEOUT_S"
+BODY_TIMEOUT_ENV = "GPUPLANE_BODY_TIMEOUT_S"
 MAX_HEADER_BYTES = 64 * 1024
 _TOO_LARGE_BODY = (b'{"error": {"code": "HeadersTooLarge", "message": "request headers over '
                    b'64 KiB; send fewer"}}\n')
@@ -104,6 +105,7 @@ class Worker(ThreadWorker):
         super().__init__(*args, **kwargs)
         self.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV) or 5)
         self.io_timeout = float(os.environ.get(IO_TIMEOUT_ENV) or 30)
+        self.body_timeout = float(os.environ.get(BODY_TIMEOUT_ENV) or 60)
         self._reading = {}          # conn -> deadline, while its headers come in
 
     def get_thread_pool(self):
@@ -177,19 +179,30 @@ class Worker(ThreadWorker):
             conn.init()
             if pre:
                 conn.parser.unreader.unread(pre)
+            unreader = conn.parser.unreader
+            if not isinstance(getattr(unreader, "sock", None), (_DeadlineSocket, type(None))):
+                unreader.sock = _DeadlineSocket(unreader.sock, self.io_timeout)
         except OSError:
             return False
         return super().handle(conn)
 
     def handle_request(self, req, conn):
         # Headers are in; a body that stops coming or a reader that stops reading gives
-        # up after io_timeout_s per operation instead of holding this thread.
+        # up after io_timeout_s per operation instead of holding this thread, and the
+        # whole body must be in within body_timeout_s.
         conn.sock.settimeout(self.io_timeout)
-        return super().handle_request(req, conn)
+        dsock = getattr(conn.parser.unreader, "sock", None) if conn.parser else None
+        if isinstance(dsock, _DeadlineSocket):
+            dsock.deadline = time.monotonic() + self.body_timeout
+        try:
+            return super().handle_request(req, conn)
+        finally:
+            if isinstance(dsock, _DeadlineSocket):
+                dsock.deadline = None
 
     def load_wsgi(self):
         super().load_wsgi()
-        self.wsgi = _close_after_unread_body(self.wsgi)
+        self.wsgi = _body_deadline(_close_after_unread_body(self.wsgi), self.body_timeout)
 
 
 def _thread_exit():
@@ -198,6 +211,74 @@ def _thread_exit():
         close_thread_connections()
     except Exception:       # closing is best effort; the thread ends either way
         pass
+
+
+class _DeadlineSocket:
+    """The socket as the request parser reads it: io_timeout_s bounds each recv, but a
+    client sending a byte just inside it each time would hold the pool thread for as long
+    as it likes (gunicorn's body reader loops over recv until it has what it asked for).
+    While `deadline` is set, each recv waits at most until then."""
+
+    def __init__(self, sock, io_timeout):
+        self._sock, self._io = sock, io_timeout
+        self.deadline = None
+
+    def recv(self, n, *flags):
+        if self.deadline is None:
+            return self._sock.recv(n, *flags)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request body deadline passed")
+        self._sock.settimeout(min(self._io, left))
+        try:
+            return self._sock.recv(n, *flags)
+        finally:
+            self._sock.settimeout(self._io)        # the response's writes
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class _DeadlineInput:
+    """wsgi.input whose reads past the body deadline (a TimeoutError from the socket) end
+    the request with a 408 in the error shape; the connection is then closed."""
+
+    def __init__(self, raw, body_timeout):
+        self._raw, self._budget = raw, body_timeout
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except TimeoutError:
+            from werkzeug.exceptions import RequestTimeout
+            raise RequestTimeout(f"the request body did not arrive within {self._budget:g} s "
+                                 "(body_timeout_s); send it at once, or in smaller "
+                                 "requests") from None
+
+    def read(self, *args):
+        return self._guard(self._raw.read, *args)
+
+    def readline(self, *args):
+        return self._guard(self._raw.readline, *args)
+
+    def readlines(self, *args):
+        return self._guard(self._raw.readlines, *args)
+
+    def __iter__(self):
+        while True:
+            line = self.readline()
+            if not line:
+                return
+            yield line
+
+
+def _body_deadline(app, body_timeout):
+    def wrapped(environ, start_response):
+        raw = environ.get("wsgi.input")
+        if raw is not None:
+            environ["wsgi.input"] = _DeadlineInput(raw, body_timeout)
+        return app(environ, start_response)
+    return wrapped
 
 
 def _close_after_unread_body(app):

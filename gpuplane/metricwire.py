@@ -161,6 +161,24 @@ def _filter(keys, points):
     return Accepted([keys[i] for i in good], (kidx, steps, values, ts), refused)
 
 
+def without_keys(acc, bad, reason):
+    """`acc` less the points of the keys in `bad` (refused with `reason(key)`)."""
+    keep = [i for i, k in enumerate(acc.keys) if k not in bad]
+    renumber = {old: new for new, old in enumerate(keep)}
+    kidx, steps, values, ts = acc.cols
+    cols = ([], [], [], [])
+    for k, s, v, t in zip(kidx, steps, values, ts):
+        new = renumber.get(k)
+        if new is None:
+            acc.refused.add(reason(acc.keys[k]))
+            continue
+        cols[0].append(new)
+        cols[1].append(s)
+        cols[2].append(v)
+        cols[3].append(t)
+    return Accepted([acc.keys[i] for i in keep], cols, acc.refused)
+
+
 def accept_batch(keys, points):
     """Check a JSON batch, keeping its good points: an Accepted. Raises BadBatch only for
     a batch that is not one (keys or points not lists, too many keys)."""

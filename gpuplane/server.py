@@ -114,6 +114,7 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
     threads = int(cfg["threads"])
     os.environ["GPUPLANE_HEADER_TIMEOUT_S"] = str(cfg["header_timeout_s"])
     os.environ["GPUPLANE_IO_TIMEOUT_S"] = str(cfg["io_timeout_s"])
+    os.environ["GPUPLANE_BODY_TIMEOUT_S"] = str(cfg["body_timeout_s"])
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if created:

@@ -236,3 +236,24 @@ def test_a_request_that_finds_no_free_connection_is_a_503(tmp_path, monkeypatch)
             d._checkin(c)
     r = app.test_client().get("/api/v1/status", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200
+
+
+def test_a_read_past_its_deadline_is_stopped_and_its_reader_comes_back(tmp_path):
+    """Issue 22: a request could hold one of the 8 readers for as long as its query ran.
+    Now SQLite interrupts a borrowing that runs past read_deadline_s (a 503 at the API)."""
+    import sqlite3 as _sqlite3
+    from gpuplane.db import Database, PoolTimeout, ReadDeadline
+    db = Database(tmp_path / "d.db", readers=2, read_deadline_s=0.2)
+    endless = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c)"
+               " SELECT count(*) FROM c")
+    for _ in range(3):          # more times than there are readers: none is lost
+        with pytest.raises(ReadDeadline, match="ran past 0.2 s"):
+            db.query_one(endless)
+    with pytest.raises(ReadDeadline):
+        with db.read() as conn:
+            conn.execute(endless).fetchone()
+    assert issubclass(ReadDeadline, PoolTimeout) and issubclass(ReadDeadline, _sqlite3.Error)
+    assert db.query_one("SELECT 41 + 1")[0] == 42
+    with db.tx() as c:          # the writer has no read deadline of its own
+        c.execute("CREATE TABLE t (x)")
+    db.close()

@@ -132,3 +132,37 @@ def test_one_long_tag_never_skips_the_rest_of_a_metrics_record(gw, caplog):
     assert "2 points refused" in caplog.text
     ev = events.query(gw.db, run_id=j["run_id"], types=["METRIC_POINTS_REFUSED"])
     assert len(ev) == 1 and ev[0]["count"] == 2 and ev[0]["node"] == "n1"
+
+
+@pytest.mark.parametrize("stats", [
+    {"gpus": [1, 2]}, {"gpus": [{"index": "0"}]}, {"gpus": [{"index": 0, "util": [1]}]},
+    {"gpus": [{"index": 0, "util": float("nan")}]}, {"gpus": {"index": 0}},
+    {"gpus": [{"index": i} for i in range(65)]}, {"gpus": [{"index": 0}, {"index": 0}]},
+    {"host": [1]}, {"host": {"cpu": {"deep": 1}}}, {"host": {"name": "x" * 300}},
+    {"host": {f"k{i}": 1 for i in range(65)}},
+])
+def test_node_stats_that_do_not_fit_the_protocol_are_refused(gw, stats, caplog):
+    """Issue 22: wrong types inside node stats were stored, and /status, /nodes and the
+    dashboard's stream then answered 500 for everyone."""
+    import json
+    from gpuplane.api.nodes import node_views
+    good = {"seq": 1, "kind": "node_stats", "gpus": [{"index": 0, "util": 50.0}],
+            "host": {"cpu": 3.5}}
+    bad = {"seq": 2, "kind": "node_stats", **{"gpus": [], "host": {}, **stats}}
+    assert gw.apply_batch("n1", batch(good, bad)) == {"type": "ack", "seq": 2}
+    assert "skipped malformed node_stats record seq 2" in caplog.text
+    view = node_views(gw.db)
+    assert view[0]["gpus"][0]["util"] == 50.0 and view[0]["host"] == {"cpu": 3.5}
+    json.dumps(view, allow_nan=False)
+    with pytest.raises(ProtocolError):
+        gw._on_hello(None, {"node": "n2", "epoch": "E", **{"gpus": stats.get("gpus", [1])}})
+
+
+def test_stored_stats_of_any_shape_never_break_the_node_views(gw):
+    import json
+    from gpuplane.api.nodes import node_views
+    for raw in ('[1]', '{"gpus": [1, {"index": [0]}], "host": 5}', '{"gpus": {"a": 1}}',
+                'null', '"text"'):
+        with gw.db.tx() as c:
+            c.execute("UPDATE nodes SET stats = ?, gpus = ? WHERE name = 'n1'", (raw, raw))
+        json.dumps(node_views(gw.db), allow_nan=False)

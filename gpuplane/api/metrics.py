@@ -75,6 +75,7 @@ def ingest(run_id):
             acc = metricwire.accept_binary(raw)
         except metricwire.BadBatch as e:
             raise BadRequest(str(e)) from None
+        acc = _store().limit_keys(run_id, acc)
         batch = metrics.prepare(len(acc.keys), acc.cols)
         with _ingest_lock:
             n = _store().ingest(run_id, acc.keys, batch=batch, refused=acc.refused)
@@ -87,7 +88,8 @@ def ingest(run_id):
             raise BadRequest('the body must be an object {"keys": [...], "points": '
                              '[[key_index, step, value, ts], ...]}')
         try:
-            acc = metricwire.accept_batch(data["keys"], data["points"])
+            acc = _store().limit_keys(run_id, metricwire.accept_batch(data["keys"],
+                                                                      data["points"]))
             n = _store().ingest(run_id, acc.keys, cols=acc.cols, refused=acc.refused)
         except metricwire.BadBatch as e:
             raise BadRequest(str(e)) from None

@@ -18,7 +18,10 @@ def node_views(db, active=None):
         by_node.setdefault(j["node"], []).append(j)
     out = []
     for n in nodes.list_nodes(db):
-        stats = {g.get("index"): g for g in (n["stats"] or {}).get("gpus", [])}
+        # The gateway refuses readings of another shape; a row stored before it did (or
+        # written by hand) must still not make /status, /nodes or the stream a 500.
+        raw = n["stats"] if isinstance(n["stats"], dict) else {}
+        stats = {_hashable(g.get("index")): g for g in _objects(raw.get("gpus"))}
         holder = {}
         cpu_jobs = []
         for j in by_node.get(n["name"], ()):
@@ -27,16 +30,25 @@ def node_views(db, active=None):
             for i in j["gpu_indices"] or []:
                 holder[i] = j["id"]
         gpus = []
-        for g in n["gpus"]:
-            live = stats.get(g.get("index"), {})
+        for g in _objects(n["gpus"]):
+            live = stats.get(_hashable(g.get("index")), {})
             gpus.append({**g, **{k: live.get(k) for k in
                                  ("util", "mem_used_mb", "temp_c", "power_w")},
                          "job_id": holder.get(g.get("index"))})
         out.append({"name": n["name"], "hostname": n["hostname"], "state": n["state"],
                     "synced": n["synced"], "last_seen": n["last_seen"], "fake": n["fake"],
                     "version": n["version"], "cpu_slots": n["cpu_slots"], "gpus": gpus,
-                    "cpu_jobs": cpu_jobs, "host": (n["stats"] or {}).get("host")})
+                    "cpu_jobs": cpu_jobs,
+                    "host": raw.get("host") if isinstance(raw.get("host"), dict) else None})
     return out
+
+
+def _objects(v):
+    return [g for g in v if isinstance(g, dict)] if isinstance(v, list) else []
+
+
+def _hashable(v):
+    return v if isinstance(v, (int, str, float, type(None))) else None
 
 
 @bp.get("/health")

@@ -4,11 +4,13 @@ from flask import Blueprint, current_app, request
 
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from .validate import body, field, opt_number, query_int
 from . import current_db, current_lifecycle
 
 bp = Blueprint("runs", __name__, url_prefix="/api/v1")
+
+MAX_EVENT_DATA_BYTES = 64 * 1024
 
 
 def run_or_404(run_id):
@@ -105,6 +107,9 @@ def add_event(run_id):
     data = body()
     name = field(data, "name", str, max_len=200)
     payload = field(data, "data", dict, {})
+    if len(dumps(payload)) > MAX_EVENT_DATA_BYTES:
+        raise PayloadTooLarge(f"'data' is {len(dumps(payload))} bytes as JSON; an event "
+                              f"holds at most {MAX_EVENT_DATA_BYTES} (log big things as files)")
     step = opt_number(data, "step", int)
     ts = opt_number(data, "ts", int) or now_ms()
     # debounced per run and name, a flood counted (gpuplane/events.py, docs/events.md)

@@ -27,6 +27,7 @@ Nothing outside gpuplane/db/ writes SQL text (tests/test_layers.py checks).
 import contextlib
 import json
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -434,8 +435,24 @@ class NestedTransaction(RuntimeError):
     """db.tx() was called inside a transaction of the same thread."""
 
 
+class LimitExceeded(ValueError):
+    """A write that would take a run or node past a stored limit (docs/security.md,
+    "Limits"); the message names the limit. The API answers 413, the gateway skips the
+    record with a warning."""
+
+
 class PoolTimeout(sqlite3.OperationalError):
     """Every reader connection stayed checked out for CHECKOUT_WAIT_S."""
+
+
+class ReadDeadline(PoolTimeout):
+    """One borrowing of a reader (a query, or a read() block) ran past READ_DEADLINE_S:
+    SQLite interrupted it, so no request holds a reader for longer (a 503 like the pool
+    running dry)."""
+
+
+READ_DEADLINE_S = 30
+_PROGRESS_OPS = 20_000         # SQLite VM steps between two looks at the clock
 
 
 class Database:
@@ -444,8 +461,10 @@ class Database:
     a `tx()`, or one `query()`; inside either block, `conn`, `query()` and a nested
     `read()` use the connection it holds, so reads inside a transaction see its writes."""
 
-    def __init__(self, path, readers=READERS):
+    def __init__(self, path, readers=READERS, read_deadline_s=READ_DEADLINE_S):
         self.path = str(path)
+        self.read_deadline_s = read_deadline_s
+        self._deadlines = {}     # reader connection -> [monotonic deadline of its borrower]
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._local = threading.local()      # .conn: the connection this thread holds
         self._write_lock = threading.Lock()
@@ -454,7 +473,7 @@ class Database:
         self._pool = threading.Condition()
         self._closed = False
         self._writer = self._connect()
-        self._idle = [self._connect() for _ in range(readers)]
+        self._idle = [self._reader() for _ in range(readers)]
         _databases.add(self)
 
     def _connect(self):
@@ -497,21 +516,42 @@ class Database:
 
     # -- the reader pool -------------------------------------------------------------------
 
+    def _reader(self):
+        conn = self._connect()
+        box = [math.inf]
+        conn.set_progress_handler(lambda: time.monotonic() > box[0], _PROGRESS_OPS)
+        self._deadlines[conn] = box
+        return conn
+
+    def _expired(self, conn, e):
+        """The ReadDeadline for an OperationalError SQLite raised on an interrupted read."""
+        box = self._deadlines.get(conn)
+        if box is None or "interrupt" not in str(e) or time.monotonic() <= box[0]:
+            return None
+        return ReadDeadline(f"a database read ran past {self.read_deadline_s:g} s and was "
+                            "stopped; ask for less (a smaller limit, fewer runs or keys)")
+
     def _checkout(self):
         with self._pool:
             if not self._pool.wait_for(lambda: self._idle or self._closed, CHECKOUT_WAIT_S):
                 raise PoolTimeout(f"no database connection came free in {CHECKOUT_WAIT_S} s")
             if self._closed:
                 raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
-            return self._idle.pop()
+            conn = self._idle.pop()
+            self._deadlines[conn][0] = time.monotonic() + self.read_deadline_s
+            return conn
 
     def _checkin(self, conn, failed=False):
+        box = self._deadlines.get(conn)
+        if box is not None:
+            box[0] = math.inf
         if failed or conn.in_transaction:
             # A read that raised may have left a statement (and with it an old snapshot)
             # open on the connection: the next borrower gets a fresh one instead. The
             # closed one's descriptor is reused by the open (see READERS).
+            self._deadlines.pop(conn, None)
             conn.close()
-            conn = None if self._closed else self._connect()
+            conn = None if self._closed else self._reader()
         with self._pool:
             if self._closed:
                 if conn is not None:
@@ -532,7 +572,13 @@ class Database:
         self._local.conn = conn
         failed = True
         try:
-            yield conn
+            try:
+                yield conn
+            except sqlite3.OperationalError as e:
+                late = self._expired(conn, e)
+                if late is not None:
+                    raise late from None
+                raise
             failed = False
         finally:
             self._local.conn = None
@@ -614,6 +660,11 @@ class Database:
             result = getattr(conn.execute(sql, params), fetch)()
             failed = False
             return result
+        except sqlite3.OperationalError as e:
+            late = self._expired(conn, e)
+            if late is not None:
+                raise late from None
+            raise
         finally:
             self._checkin(conn, failed)
 

@@ -10,7 +10,7 @@ results what the job's run logged.
 import os
 import re
 
-from . import dumps, loads, not_system, now_ms
+from . import LimitExceeded, dumps, loads, not_system, now_ms
 
 # How sure a step is; a registration only replaces a step with a surer one.
 STEP_RANK = {"none": 0, "latest": 1, "name": 2, "given": 3}
@@ -46,6 +46,9 @@ def latest_step(conn, run_id):
     return row[0]
 
 
+MAX_PER_RUN = 10_000
+
+
 def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
              size_bytes=None, fingerprint=None, fmt=None, source="sdk", ts=None):
     """Insert or update the checkpoint (run_id, path) inside the caller's transaction.
@@ -63,6 +66,11 @@ def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
     old = conn.execute("SELECT id, step_source FROM checkpoints WHERE run_id = ? AND path = ?",
                        (run_id, path)).fetchone()
     if old is None:
+        n = conn.execute("SELECT count(*) FROM checkpoints WHERE run_id = ?",
+                         (run_id,)).fetchone()[0]
+        if n >= MAX_PER_RUN:
+            raise LimitExceeded(f"run {run_id} has {n} checkpoints; a run keeps at most "
+                                f"{MAX_PER_RUN} (register fewer, or prune old ones)")
         cur = conn.execute(
             "INSERT INTO checkpoints (run_id, path, step, step_source, epoch, size_bytes,"
             " fingerprint, format, source, created_at, updated_at)"

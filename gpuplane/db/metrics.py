@@ -81,6 +81,14 @@ class MetricStore:
             self._keys.update(fresh)
         return n
 
+    def limit_keys(self, run_id, acc):
+        """`acc` (a metricwire.Accepted) less the points of keys that would take the run
+        past MAX_KEYS_PER_RUN (refused, counted). Keys it has already are always fine."""
+        if all((run_id, k) in self._keys for k in acc.keys):
+            return acc
+        with self.db.read() as conn:
+            return limit_keys(conn, run_id, acc)
+
     def run_exists(self, run_id):
         if run_id in self._runs:
             return True
@@ -91,6 +99,33 @@ class MetricStore:
 
 
 # -- ingest ---------------------------------------------------------------------------
+
+MAX_KEYS_PER_RUN = 10_000
+
+
+def limit_keys(conn, run_id, acc):
+    """See MetricStore.limit_keys (inside a transaction, exact; outside one, two batches
+    at once may pass the limit by what they bring together)."""
+    if not acc.keys:
+        return acc
+    have = set()
+    for i in range(0, len(acc.keys), 500):
+        part = acc.keys[i:i + 500]
+        have.update(r[0] for r in conn.execute(
+            f"SELECT key FROM metric_keys WHERE run_id = ? AND key IN ({','.join('?' * len(part))})",
+            (run_id, *part)))
+    new = [k for k in acc.keys if k not in have]
+    if not new:
+        return acc
+    n = conn.execute("SELECT count(*) FROM metric_keys WHERE run_id = ?", (run_id,)).fetchone()[0]
+    room = max(0, MAX_KEYS_PER_RUN - n)
+    if len(new) <= room:
+        return acc
+    from ..metricwire import without_keys
+    return without_keys(acc, set(new[room:]), lambda k: (
+        f"run {run_id} has {n} metric keys; a run holds at most {MAX_KEYS_PER_RUN}, so new "
+        "keys are refused (log fewer distinct names)"))
+
 
 def resolve_keys(conn, run_id, keys, known=None):
     """Key ids for `keys` of a run, creating missing ones: (ids, fresh).

@@ -1,5 +1,5 @@
 """Runs: one per job attempt, or registered by the SDK, or imported."""
-from . import dumps, loads, now_ms, projects
+from . import LimitExceeded, dumps, loads, now_ms, projects
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -72,12 +72,25 @@ def exists(conn, run_id):
     return conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is not None
 
 
+MAX_CONFIG_BYTES = 1_000_000      # a run's config as stored, whatever merged it
+
+
+def _config_text(run_id, merged):
+    text = dumps(merged)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise LimitExceeded(f"run {run_id}'s config would be {len(text)} bytes after this "
+                            f"merge; a run's config holds at most {MAX_CONFIG_BYTES} bytes in "
+                            "all (log big things as files)")
+    return text
+
+
 def update_meta(conn, run_id, *, config=None, tags=None, name=None):
     """Merge `config` into the run's config, replace its tags, rename it."""
     if config:
         row = conn.execute("SELECT config FROM runs WHERE id = ?", (run_id,)).fetchone()
         merged = {**loads(row[0], {}), **config}
-        conn.execute("UPDATE runs SET config = ? WHERE id = ?", (dumps(merged), run_id))
+        conn.execute("UPDATE runs SET config = ? WHERE id = ?",
+                     (_config_text(run_id, merged), run_id))
     if tags is not None:
         conn.execute("UPDATE runs SET tags = ? WHERE id = ?", (dumps(tags), run_id))
     if name is not None:
@@ -96,7 +109,7 @@ def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, co
     if config:
         merged = {**config, **loads(row["config"], {})}
         sets.append("config = ?")
-        args.append(dumps(merged))
+        args.append(_config_text(run_id, merged))
     new_project = project if project and row["project"] in (None, "", "default") else None
     new_experiment = experiment if experiment and not row["experiment"] else None
     if new_project or new_experiment:
