@@ -37,8 +37,14 @@ WAIT_EVENTS = 50             # wait_for_job returns at most the last 50 events i
 WHOAMI_TTL_S = 30
 MAX_CALLERS = 64
 
-# The token an HTTP caller sent with its request (set per request by a middleware).
+# The token an HTTP caller sent with its request (set per request by a middleware);
+# NO_TOKEN when an HTTP caller sent none: over HTTP each caller brings its own.
 _caller_token = contextvars.ContextVar("gpuplane_caller_token", default=None)
+NO_TOKEN = ""
+NEEDS_TOKEN = ("Unauthorized: gpuplane-mcp over HTTP needs a GPUPlane token of your own: "
+               "send `Authorization: Bearer TOKEN` with each request (make one with "
+               "`gpuplane token create --name NAME --scope read` or `--scope write`); it never "
+               "lends its own token to a caller over HTTP")
 
 INSTRUCTIONS = """GPUPlane runs training jobs on GPU machines. Loop: submit_job -> wait_for_job
 (returns when the job ends or an event arrives; never poll in a loop) -> diagnose_run ->
@@ -245,6 +251,8 @@ class Gpuplane:
         token = _caller_token.get()
         if token is None:
             return self._default
+        if token == NO_TOKEN:
+            raise ToolFailure(NEEDS_TOKEN)
         with self._lock:
             c = self._callers.get(token)
             if c is None:
@@ -769,12 +777,15 @@ def build_server(gp):
     from mcp.server.mcpserver.exceptions import ToolError
 
     async def caller_token(ctx, call_next):
-        # Over HTTP a caller may send its own GPUPlane token; its calls then run with it.
+        # Over HTTP a caller's calls run with the GPUPlane token it sent, and only with
+        # it: one that sends none must not be lent the token gpuplane-mcp was started
+        # with (by default the local admin token) by anyone who can reach the port.
         headers = getattr(getattr(ctx, "request", None), "headers", None)
-        auth = headers.get("authorization", "") if headers is not None else ""
-        if auth[:7].lower() != "bearer " or not auth[7:].strip():
-            return await call_next(ctx)
-        mark = _caller_token.set(auth[7:].strip())
+        if headers is None:
+            return await call_next(ctx)         # stdio: the process's own token
+        auth = headers.get("authorization", "")
+        own = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        mark = _caller_token.set(own or NO_TOKEN)
         try:
             return await call_next(ctx)
         finally:

@@ -147,7 +147,13 @@ def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
         assert "not reachable" in err(await call("whoami"))
 
     async def main(url):
-        async with Client(url) as client:
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+        async with Client(url) as tokenless:      # issue 22: never lent the MCP's token
+            r = await tokenless.call_tool("get_status", {})
+            assert r.is_error and "needs a GPUPlane token of your own" in r.content[0].text
+        async with httpx2.AsyncClient(headers={"Authorization": "Bearer nobody"}) as http, \
+                Client(streamable_http_client(url, http_client=http)) as client:
             await body(client)
     with McpHttp(env, tmp_path / "mcp-http.log") as server:
         asyncio.run(main(server.url))
@@ -196,10 +202,17 @@ def test_bad_token_and_scopes(live_server, tmp_path):
     from mcp.client.streamable_http import streamable_http_client
 
     async def over_http(url):
+        # Issue 22: a caller that sends no token is not lent the MCP server's own (by
+        # default the local admin token); it is told to bring its own.
         async with Client(url) as plain:
-            who = (await plain.call_tool("whoami", {})).structured_content
+            for tool, a in (("whoami", {}), ("cancel_job", {"job_id": job["id"]})):
+                r = await plain.call_tool(tool, a)
+                assert r.is_error and "Authorization: Bearer TOKEN" in r.content[0].text
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {read}"}) as http, \
+                Client(streamable_http_client(url, http_client=http)) as reader:
+            who = (await reader.call_tool("whoami", {})).structured_content
             assert who["scope"] == "read"
-            r = await plain.call_tool("cancel_job", {"job_id": job["id"]})
+            r = await reader.call_tool("cancel_job", {"job_id": job["id"]})
             assert r.is_error and "WriteScopeError" in r.content[0].text
         headers = {"Authorization": f"Bearer {write}"}
         async with httpx2.AsyncClient(headers=headers) as http, \
@@ -381,7 +394,8 @@ def test_mcp_inspector_cli(live_server, tmp_path):
     # over stdio costs a Python start each).
     with McpHttp(env, tmp_path / "mcp-http.log") as server:
         for k, args in calls.items():
-            r = subprocess.run([str(exe), "--cli", server.url, "--transport", "http", *args],
+            r = subprocess.run([str(exe), "--cli", server.url, "--transport", "http",
+                                "--header", f"Authorization: Bearer {live_server.token}", *args],
                                capture_output=True, text=True, timeout=120, cwd=ROOT)
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
             out[k] = json.loads(r.stdout)
