@@ -199,38 +199,6 @@ def load_server_config(home):
 MIN_ADMIN_TOKEN = 16
 
 
-def check_server_config(config):
-    """Validate the thread budget and the admin token once, at start, with a sentence."""
-    threads = config.get("threads")
-    if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0:
-        if config.get("rest_threads") is None:
-            config["rest_threads"] = max(2, threads // 7)
-        if config.get("agent_threads") is None:
-            config["agent_threads"] = max(1, threads * 2 // 7)
-    for key in ("threads", "agent_threads", "rest_threads"):
-        v = config.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{key} in server.toml must be a positive integer, got {v!r}")
-    for key in ("header_timeout_s", "io_timeout_s", "body_timeout_s"):
-        v = config.get(key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.1 <= v <= 3600:
-            raise ConfigError(f"{key} in server.toml must be a number of seconds from 0.1 "
-                              f"to 3600, got {v!r}")
-    if config["threads"] - config["agent_threads"] - config["rest_threads"] < 1:
-        raise ConfigError(
-            f"threads ({config['threads']}) must exceed agent_threads "
-            f"({config['agent_threads']}) + rest_threads ({config['rest_threads']}) by at "
-            "least 1, the share left for log followers; raise threads in server.toml")
-    token = config.get("admin_token")
-    if not isinstance(token, str) or len(token) < MIN_ADMIN_TOKEN:
-        raise ConfigError(f"admin_token in server.toml must be a string of at least "
-                          f"{MIN_ADMIN_TOKEN} characters; delete the line and restart to get "
-                          "a fresh random one")
-
-
-MIN_ADMIN_TOKEN = 16
-
-
 def check_server_config(cfg):
     """What a starting server needs beyond each value's own check: the thread budget
     adds up, and the admin token is long enough. Returns the config with the thread

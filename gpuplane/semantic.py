@@ -201,14 +201,6 @@ def _train_key(keys):
     return None
 
 
-def _counterpart(eval_key, names):
-    """train/loss for val/loss: the same words once the eval word is dropped."""
-    for n in names:
-        if n != eval_key and not is_eval_key(n) and vocab.base(n) == vocab.base(eval_key):
-            return n
-    return None
-
-
 # -- diagnose_run ----------------------------------------------------------------------------
 
 def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
