@@ -16,7 +16,7 @@ import time
 from collections import deque
 from itertools import compress
 
-from . import rules, vocab
+from . import rules, states, vocab
 from .config import ConfigError
 from .db import events as db_events, now_ms
 from .hub import Hub
@@ -423,7 +423,7 @@ class Engine(Worker):
                 # one per silence: the fingerprint names the moment of the last activity
                 new += self._store(f, run, fingerprint=f"STALLED:{run_id}:{run.activity.last}")
         for run_id in [r for r, w in self._runs.items()
-                       if w.ctx.get("state") not in ("RUNNING", "STARTING")
+                       if w.ctx.get("state") not in states.RUN_ACTIVE
                        and r not in running and w.ctx.get("source") == "job"]:
             self._runs.pop(run_id, None)
         return new

@@ -20,7 +20,7 @@ from simple_websocket import ConnectionClosed
 from .auth import requires
 from .streams import clear_timeout
 from .errors import ApiError
-from . import metricwire
+from . import metricwire, states
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
@@ -372,10 +372,10 @@ class Gateway:
         ts = int(rec.get("ts") or now_ms())
         if kind == "job":
             job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
-            if rec["state"] == "RUNNING":
+            if rec["state"] == states.RUNNING:
                 self.lifecycle.started(job_id, attempt, ts, t=t)
                 return False
-            if rec["state"] == "EXITED":
+            if rec["state"] == states.EXITED:
                 code = rec.get("exit_code")
                 self.lifecycle.finished(job_id, attempt,
                                         exit_code=int(code) if code is not None else None,
@@ -464,7 +464,7 @@ class Gateway:
                     continue
                 if key in known:
                     continue
-                if job["state"] == "DISPATCHED":
+                if job["state"] == states.DISPATCHED:
                     log.info("node %s never got job %d attempt %d; sending it again",
                              node, *key)
                     # A fresh ingest token for the same run: the first one's secret is

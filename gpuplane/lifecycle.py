@@ -18,6 +18,7 @@ batch and advances its cursor atomically): pass the `Tx` of `lifecycle.transacti
 import contextlib
 import logging
 
+from . import states
 from .db import events, jobs, nodes, now_ms, runs, savepoint, tokens
 
 log = logging.getLogger(__name__)
@@ -154,10 +155,10 @@ class Lifecycle:
         (cancelled meanwhile)."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
-            if job is None or job["state"] != "QUEUED":
+            if job is None or job["state"] != states.QUEUED:
                 return None
             attempt = job["attempt"] + 1
-            run_id = runs.create(t.conn, source="job", state="STARTING",
+            run_id = runs.create(t.conn, source="job", state=states.STARTING,
                                  project=job["project"], experiment=job["experiment"],
                                  name=job["name"], job_id=job_id, attempt=attempt, node=node,
                                  gpu_indices=gpu_indices,
@@ -182,7 +183,7 @@ class Lifecycle:
             if run:
                 runs.mark_running(t.conn, run["id"], ts)
             job = jobs.fetch(t.conn, job_id)
-            if not job or job["attempt"] != attempt or job["state"] != "DISPATCHED":
+            if not job or job["attempt"] != attempt or job["state"] != states.DISPATCHED:
                 return False
             jobs.set_running(t.conn, job_id, ts)
             self._event(t, STARTED, f"job {job_id} attempt {attempt} started on "
@@ -203,8 +204,9 @@ class Lifecycle:
         with self._tx(t) as t:
             run = runs.for_attempt(t.conn, job_id, attempt)
             if run:
-                run_state = ("SUCCEEDED" if failure_kind is None else
-                             "CANCELLED" if failure_kind == "CANCELLED" else "FAILED")
+                run_state = (states.SUCCEEDED if failure_kind is None else
+                             states.CANCELLED if failure_kind == "CANCELLED" else
+                             states.FAILED)
                 runs.finish(t.conn, run["id"], run_state, exit_code, failure_kind, ts)
                 # The job's process is gone and what it wrote is in: its ingest token
                 # (one per start command) writes no more.
@@ -214,18 +216,18 @@ class Lifecycle:
                 t.publish = True      # the run's state may have changed
                 return None
             if job["cancel_requested"] and failure_kind is not None:
-                failure_kind, state = "CANCELLED", "CANCELLED"
+                failure_kind, state = "CANCELLED", states.CANCELLED
             elif failure_kind is None:
-                state = "SUCCEEDED"
+                state = states.SUCCEEDED
             elif failure_kind == "CANCELLED":
-                state = "CANCELLED"
+                state = states.CANCELLED
             elif failure_kind in jobs.FINAL_FAILURES:
-                state = "FAILED"
+                state = states.FAILED
             else:
                 failure_kind = TRANSIENT_ALIASES.get(failure_kind, failure_kind)
-                state = "QUEUED" if attempt < job["max_attempts"] else "FAILED"
+                state = states.QUEUED if attempt < job["max_attempts"] else states.FAILED
             data = {"exit_code": exit_code, "failure_kind": failure_kind}
-            if state == "QUEUED":
+            if state == states.QUEUED:
                 jobs.set_requeued(t.conn, job_id, failure_kind, exit_code, message)
                 self._event(t, RETRIED, f"job {job_id} attempt {attempt} lost "
                             f"({failure_kind}); queued again as attempt {attempt + 1} of "
@@ -242,7 +244,7 @@ class Lifecycle:
                     + (f" on {job['node']}" if job["node"] else ""))
             # OOM stays easy to find: a FAILED event with failure_kind OOM, critical.
             severity = ("critical" if failure_kind == "OOM" else
-                        "warning" if state == "FAILED" else "info")
+                        "warning" if state == states.FAILED else "info")
             self._event(t, state, text, job=job, severity=severity, data=data, ts=ts)
         return state
 
@@ -257,9 +259,9 @@ class Lifecycle:
             if job is None:
                 return None, False
             if job["state"] in jobs.FINAL:
-                return job, job["state"] == "CANCELLED"
-            if job["state"] == "QUEUED":
-                jobs.set_ended(t.conn, job_id, "CANCELLED", "CANCELLED", None, None, now_ms())
+                return job, job["state"] == states.CANCELLED
+            if job["state"] == states.QUEUED:
+                jobs.set_ended(t.conn, job_id, states.CANCELLED, "CANCELLED", None, None, now_ms())
                 if stop_reason:
                     jobs.set_stop_reason(t.conn, job_id, stop_reason)
                 job = jobs.fetch(t.conn, job_id)
@@ -295,9 +297,9 @@ class Lifecycle:
         with DEPENDENCY_FAILED, final. Returns whether it changed."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
-            if job is None or job["state"] != "QUEUED":
+            if job is None or job["state"] != states.QUEUED:
                 return False
-            jobs.set_ended(t.conn, job_id, "FAILED", "DEPENDENCY_FAILED", None, message,
+            jobs.set_ended(t.conn, job_id, states.FAILED, "DEPENDENCY_FAILED", None, message,
                            now_ms())
             self._event(t, FAILED, f"job {job_id} ({job['name']}) failed: {message}",
                         job=job, run_id=None, node=None, severity="warning",
@@ -309,7 +311,7 @@ class Lifecycle:
         accepted); only a QUEUED job can be held or released."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
-            if job is None or job["state"] != "QUEUED":
+            if job is None or job["state"] != states.QUEUED:
                 return job, False
             if job["held"] == held:
                 return job, True
@@ -326,7 +328,7 @@ class Lifecycle:
         Raises ValueError with a sentence for a dependency cycle or an unknown job."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
-            if job is None or job["state"] != "QUEUED":
+            if job is None or job["state"] != states.QUEUED:
                 return job, False
             if depends_on is not None:
                 check_dependencies(t.conn, depends_on, job_id)
@@ -388,7 +390,7 @@ class Lifecycle:
     def register_run(self, *, source, project, experiment, name, config, t=None):
         """A run the SDK (or an import) registers itself: RUNNING from the start."""
         with self._tx(t) as t:
-            run_id = runs.create(t.conn, source=source, state="RUNNING", project=project,
+            run_id = runs.create(t.conn, source=source, state=states.RUNNING, project=project,
                                  experiment=experiment, name=name, config=config)
             self._event(t, STARTED, f"run {run_id} ({name or source}) started",
                         run_id=run_id, wake=False)
@@ -399,7 +401,7 @@ class Lifecycle:
         with self._tx(t) as t:
             if runs.finish(t.conn, run_id, status):
                 self._event(t, status, f"run {run_id} {status.lower()}", run_id=run_id,
-                            wake=False, severity="warning" if status == "FAILED" else "info")
+                            wake=False, severity="warning" if status == states.FAILED else "info")
 
 
 def check_dependencies(conn, depends_on, job_id=None):

@@ -12,8 +12,11 @@ gateway's) says whether a node's agent holds a connection in this process right 
 """
 import logging
 
+from . import states
 from .db import jobs, loads, nodes, now_ms
 from .worker import Worker
+
+MISSING = "MISSING"      # the state shown for a dependency that is no job
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +147,16 @@ class Scheduler(Worker):
         found = jobs.states(self.db, job["depends_on"])
         waiting = []
         for dep in job["depends_on"]:
-            state, name = found.get(dep, ("MISSING", "?"))
+            state, name = found.get(dep, (MISSING, "?"))
             if job["depends_any"]:
                 if state not in jobs.FINAL:
                     waiting.append(f"job {dep} ({name}, {state}) to end")
-            elif state in ("FAILED", "CANCELLED", "MISSING"):
+            elif state in (states.FAILED, states.CANCELLED, MISSING):
                 self.lifecycle.dependency_failed(
                     job["id"], f"job {dep} ({name}) ended {state}; this job runs only "
                     "after it succeeded (`--after-any` runs after any end)")
                 return "dependency failed"
-            elif state != "SUCCEEDED":
+            elif state != states.SUCCEEDED:
                 waiting.append(f"job {dep} ({name}, {state}) to succeed")
         if waiting:
             return "waiting for " + ", ".join(waiting)

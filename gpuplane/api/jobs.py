@@ -9,7 +9,7 @@ import time
 
 from flask import Blueprint, Response, current_app, request
 
-from .. import lifecycle
+from .. import lifecycle, states
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -18,7 +18,7 @@ from . import current_db, current_lifecycle
 
 bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
 
-STATES = ("QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
+STATES = states.JOB_STATES
 SSE_KEEPALIVE_S = 15
 MAX_COMMAND_BYTES = 32 * 1024      # the argv, each argument counted with its NUL
 MAX_ENV_BYTES = 64 * 1024          # every NAME=value, with its NUL

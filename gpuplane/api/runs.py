@@ -2,6 +2,7 @@
 
 from flask import Blueprint, current_app, request
 
+from .. import states
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -93,8 +94,7 @@ def sdk_init(run_id):
 @requires("run")
 def finish(run_id):
     run = run_or_404(run_id)
-    status = field(body(), "status", str, "SUCCEEDED",
-                   choices=("SUCCEEDED", "FAILED", "CANCELLED"))
+    status = field(body(), "status", str, states.SUCCEEDED, choices=states.RUN_FINAL)
     if run["source"] != "job":      # a job's outcome is what its agent reports
         current_lifecycle().finish_run(run_id, status)
     return runs.get(current_db(), run_id)

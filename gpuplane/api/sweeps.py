@@ -10,7 +10,7 @@
 """
 from flask import Blueprint, current_app, request
 
-from .. import metricwire, series as planner, sweeps
+from .. import metricwire, series as planner, states, sweeps
 from ..auth import requires
 from ..db import jobs, metrics, sweeps as sweeps_db
 from ..errors import BadRequest, Conflict, NotFound
@@ -20,7 +20,7 @@ from . import current_db, current_lifecycle
 
 bp = Blueprint("sweeps", __name__, url_prefix="/api/v1")
 
-STATES = ("RUNNING", "STOPPED", "DONE", "CANCELLED")
+STATES = states.SWEEP_STATES
 JOB_FIELDS = ("working_dir", "gpus", "cpu_only", "priority", "max_attempts", "env",
               "tb_dir", "watch_dir", "image", "eval_command")
 

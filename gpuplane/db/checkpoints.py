@@ -10,13 +10,16 @@ results what the job's run logged.
 import os
 import re
 
+from .. import states
 from . import LimitExceeded, dumps, loads, not_system, now_ms
 
 # How sure a step is; a registration only replaces a step with a surer one.
 STEP_RANK = {"none": 0, "latest": 1, "name": 2, "given": 3}
 
-EVAL_STATE = {"QUEUED": "QUEUED", "DISPATCHED": "QUEUED", "RUNNING": "RUNNING",
-              "SUCCEEDED": "SUCCEEDED", "FAILED": "FAILED", "CANCELLED": "FAILED"}
+# An evaluation's state, from its job's: queued until it runs; a cancel is a failure.
+EVAL_STATE = {states.QUEUED: states.QUEUED, states.DISPATCHED: states.QUEUED,
+              states.RUNNING: states.RUNNING, states.SUCCEEDED: states.SUCCEEDED,
+              states.FAILED: states.FAILED, states.CANCELLED: states.FAILED}
 
 # Keys the agent measures itself (gpuplane/vocab.py's system keys) are not training
 # semantics: left out of checkpoint values.
@@ -179,23 +182,6 @@ def evaluations(db, checkpoint_id):
 def get_evaluation(db, evaluation_id):
     row = db.query_one(_EVAL_SELECT + " WHERE e.id = ?", (evaluation_id,))
     return _evaluation(db, row) if row else None
-
-
-def evaluation_of_job(db, job_id):
-    row = db.query_one(_EVAL_SELECT + " WHERE e.job_id = ?", (job_id,))
-    return _evaluation(db, row) if row else None
-
-
-def evaluation_counts(db, checkpoint_ids):
-    """{checkpoint_id: number of evaluations}."""
-    out = {}
-    ids = list(checkpoint_ids)
-    for i in range(0, len(ids), 500):
-        part = ids[i:i + 500]
-        out.update(db.query(
-            f"SELECT checkpoint_id, count(*) FROM evaluations WHERE checkpoint_id IN"
-            f" ({','.join('?' * len(part))}) GROUP BY checkpoint_id", part))
-    return out
 
 
 def evaluation_runs(db, run_ids):

@@ -5,10 +5,11 @@ QUEUED → DISPATCHED → RUNNING → SUCCEEDED | FAILED | CANCELLED. Every atte
 the attempt number is bumped in the same transaction that assigns the job to a node, so
 no attempt is ever started twice.
 """
+from ..states import JOB_ACTIVE, JOB_FINAL
 from . import dumps, loads, projects
 
-ACTIVE = ("DISPATCHED", "RUNNING")
-FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+ACTIVE = JOB_ACTIVE
+FINAL = JOB_FINAL
 FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED")  # never retried automatically
 
 

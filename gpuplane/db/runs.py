@@ -1,7 +1,8 @@
 """Runs: one per job attempt, or registered by the SDK, or imported."""
+from .. import states
 from . import LimitExceeded, dumps, loads, now_ms, projects
 
-FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+FINAL_STATES = states.RUN_FINAL
 
 
 def to_dict(row):
@@ -22,7 +23,7 @@ def create(conn, *, source, state, project="default", experiment="", name="", co
         " node, gpu_indices, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (job_id, attempt, source, state, project, experiment, name, dumps(config or {}),
          node, dumps(gpu_indices) if gpu_indices is not None else None, now_ms(),
-         now_ms() if state == "RUNNING" else None))
+         now_ms() if state == states.RUNNING else None))
     return cur.lastrowid
 
 

@@ -1,10 +1,11 @@
 """Sweeps and their trials: the rows and their SQL. What a sweep does (launching trials,
 early stopping, stopping when its trials fail) is decided in gpuplane/sweeps.py; job state
 changes go through gpuplane/lifecycle.py."""
+from ..states import SWEEP_ACTIVE, SWEEP_FINAL
 from . import dumps, loads, now_ms, projects
 
-ACTIVE = ("RUNNING",)               # a sweep that still launches trials
-FINAL = ("STOPPED", "DONE", "CANCELLED")
+ACTIVE = SWEEP_ACTIVE               # a sweep that still launches trials
+FINAL = SWEEP_FINAL
 
 
 def _sweep(row):
