@@ -217,6 +217,26 @@ class BestCheckpointOut(Out):
     next_actions: list[NextAction] = []
 
 
+class SweepOut(Out):
+    id: int
+    name: str
+    state: str = Field(description="RUNNING, STOPPED (its trials failed; stop_reason says "
+                                   "why), DONE or CANCELLED")
+    stop_reason: str | None = None
+    best: dict[str, Any] | None = Field(None, description="the best trial so far: trial, "
+                                        "job_id, run_id, value, step, params")
+    trials_detail: list[dict[str, Any]] = Field(
+        [], description="per trial: number, params, state (PENDING, QUEUED, RUNNING, "
+                        "SUCCEEDED, FAILED, EARLY_STOPPED, ...), job_id, run_id, value (its "
+                        "best of the metric), stopped (why, for an early stop)")
+    next_actions: list[NextAction] = []
+
+
+class SweepsOut(Out):
+    sweeps: list[dict[str, Any]]
+    count: int
+
+
 class ExplanationOut(Out):
     job_id: int
     kind: str = Field(description="CUDA_OOM, NCCL, MISSING_MODULE, MISSING_FILE, CUDA_ERROR, "
@@ -410,6 +430,26 @@ class Gpuplane:
                                               project=project, experiment=experiment)
         return dict(d, next_actions=na.after_primary_metric(key, project, experiment))
 
+    # sweeps
+
+    def sweep(self, data, timeout_s=600):
+        return dict(data, next_actions=na.after_sweep(data, timeout_s))
+
+    def create_sweep(self, a):
+        return self.sweep(self.client.create_sweep(a.model_dump(exclude_none=True)))
+
+    def wait_for_sweep(self, sweep_id, timeout_s=600):
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            s = self.client.get_sweep(sweep_id)
+            if s["state"] != "RUNNING" or time.monotonic() >= deadline:
+                break
+            time.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+        reached = s["state"] != "RUNNING"
+        return dict(self.sweep(s, timeout_s), reached=reached, timed_out=not reached,
+                    waited_s=round(time.monotonic() - start, 2))
+
     # semantic
 
     def compare_runs(self, run_ids, keys=None, key=None):
@@ -422,12 +462,13 @@ class Gpuplane:
         data.pop("series", None)
         return data
 
-    def get_best_checkpoint(self, run_id=None, experiment=None, project=None, key=None):
-        if run_id is None and not experiment and not project:
-            raise ToolFailure("give run_id, experiment or project: the scope to pick the "
-                              "best checkpoint from")
+    def get_best_checkpoint(self, run_id=None, experiment=None, project=None, key=None,
+                            sweep_id=None):
+        if run_id is None and not experiment and not project and sweep_id is None:
+            raise ToolFailure("give run_id, experiment, project or sweep_id: the scope to "
+                              "pick the best checkpoint from")
         data = self.client.recommend_checkpoint(run=run_id, experiment=experiment,
-                                                project=project, key=key)
+                                                project=project, key=key, sweep=sweep_id)
         data.setdefault("reason", "")
         data.setdefault("next_actions", [])
         return data
@@ -586,8 +627,68 @@ class CompareCheckpointsIn(In):
                                                  "primary one)")] = None
 
 
+SweepId = Annotated[int, Field(description="a sweep's id (list_sweeps, or create_sweep's "
+                                           "answer)", ge=1)]
+
+
+class SweepArg(In):
+    sweep_id: SweepId
+
+
+class ListSweepsIn(In):
+    state: Annotated[Literal["RUNNING", "STOPPED", "DONE", "CANCELLED"] | None,
+                     Field(description="only sweeps in this state")] = None
+    limit: Limit = 50
+
+
+class WaitSweepIn(In):
+    sweep_id: SweepId
+    timeout_s: Annotated[int, Field(description="give up after this many seconds", ge=1,
+                                    le=WAIT_MAX_S)] = 600
+
+
+class CreateSweepIn(In):
+    command: Annotated[list[str] | str, Field(
+        description="the template: {name} placeholders for the parameters (and {trial}), "
+                    "e.g. 'python train.py --lr {lr} --bs {bs} --out ckpt-{trial}'")]
+    working_dir: Annotated[str, Field(description="absolute directory on the agent's host "
+                                                  "to run every trial in")]
+    parameters: Annotated[dict[str, Any], Field(
+        description="name -> a grid list ([16, 32]) or a random draw ({'type': "
+                    "'log_uniform'|'uniform'|'int_uniform', 'low': .., 'high': ..} or "
+                    "{'type': 'choice', 'values': [..]})")]
+    name: Annotated[str | None, Field(description="a short name for the sweep")] = None
+    trials: Annotated[int | None, Field(description="how many trials (required with random "
+                                                    "draws; default: the grid's size)",
+                                        ge=1, le=1000)] = None
+    seed: Annotated[int | None, Field(description="seed of the random draws")] = None
+    parallel: Annotated[int | None, Field(description="trials at once (default 1)", ge=1,
+                                          le=256)] = None
+    metric: Annotated[str | None, Field(description="the metric that decides (default: the "
+                                                    "experiment's primary metric)")] = None
+    direction: Annotated[Literal["min", "max"] | None,
+                         Field(description="whether lower or higher is better")] = None
+    early_stopping: Annotated[dict[str, Any] | None, Field(
+        description="{'rule': 'asha', 'min_steps': 50, 'eta': 3} or {'rule': 'median', "
+                    "'warmup_steps': 100, 'min_trials': 3}")] = None
+    gpus: Annotated[int | None, Field(description="GPUs per trial (default 1)", ge=0,
+                                      le=64)] = None
+    cpu_only: Annotated[bool | None, Field(description="trials need no GPU")] = None
+    priority: Annotated[int | None, Field(description="higher starts first", ge=-1000,
+                                          le=1000)] = None
+    max_attempts: Annotated[int | None, Field(description="attempts per trial (default 1)",
+                                              ge=1, le=100)] = None
+    env: Annotated[dict[str, str] | None, Field(description="extra environment")] = None
+    project: Annotated[str | None, Field(description="project to file the runs under")] = None
+    experiment: Annotated[str | None, Field(description="experiment of the trials")] = None
+    watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
+                                                       "(relative to working_dir)")] = None
+
+
 class BestCheckpointIn(In):
     run_id: Annotated[int | None, Field(description="pick within this run")] = None
+    sweep_id: Annotated[int | None, Field(description="pick across all trials of this "
+                                                      "sweep")] = None
     experiment: Annotated[str | None, Field(description="pick within this experiment")] = None
     project: Annotated[str | None, Field(description="pick within this project")] = None
     key: Annotated[str | None, Field(description="rank by this metric (default: the "
@@ -720,11 +821,40 @@ TOOLS = [
     Tool("get_best_checkpoint", SEMANTIC,
          "The checkpoint to keep, with the reason, the runner-up and the margin.",
          BestCheckpointIn, BestCheckpointOut,
-         lambda gp, a: gp.get_best_checkpoint(a.run_id, a.experiment, a.project, a.key)),
+         lambda gp, a: gp.get_best_checkpoint(a.run_id, a.experiment, a.project, a.key,
+                                              a.sweep_id)),
     Tool("explain_failure", SEMANTIC,
          "Why a job failed: the kind (CUDA OOM, NCCL, missing module or file, killed by a "
          "signal, Python exception, ...), the relevant log lines and what to try.",
          JobArg, ExplanationOut, lambda gp, a: gp.client.get_job_explanation(a.job_id)),
+    # sweeps
+    Tool("list_sweeps", OBSERVE,
+         "Sweeps, newest first, with their state, trial count and trials by state.",
+         ListSweepsIn, SweepsOut,
+         lambda gp, a: _counted("sweeps", gp.client.list_sweeps(state=a.state,
+                                                                limit=a.limit)["sweeps"])),
+    Tool("get_sweep", OBSERVE,
+         "One sweep: its trials with parameters, state and the decisive value, the best "
+         "trial so far, early stops and why, and what to do next.",
+         SweepArg, SweepOut, lambda gp, a: gp.sweep(gp.client.get_sweep(a.sweep_id))),
+    Tool("wait_for_sweep", WAIT,
+         "Block until a sweep has ended (every trial done, or stopped) or the timeout; "
+         "returns the sweep as get_sweep does. Use it instead of polling.",
+         WaitSweepIn, SweepOut, lambda gp, a: gp.wait_for_sweep(a.sweep_id, a.timeout_s)),
+    Tool("create_sweep", CONTROL,
+         "Start a sweep: a command template run as one job per parameter set (grid lists "
+         "and seeded random draws), at most `parallel` at once, with optional early "
+         "stopping (median or ASHA; needs a write token). Then call wait_for_sweep.",
+         CreateSweepIn, SweepOut, lambda gp, a: gp.create_sweep(a)),
+    Tool("cancel_sweep", CONTROL,
+         "Launch no more trials of a sweep and cancel its queued and running ones (needs a "
+         "write token).",
+         SweepArg, SweepOut, lambda gp, a: gp.sweep(gp.client.cancel_sweep(a.sweep_id))),
+    Tool("retry_failed_sweep", CONTROL,
+         "Run a sweep's failed or lost trials again with their parameters, and let it "
+         "launch again if it had stopped (needs a write token).",
+         SweepArg, SweepOut,
+         lambda gp, a: gp.sweep(gp.client.retry_failed_sweep(a.sweep_id))),
 ]
 TOOL_BY_NAME = {t.name: t for t in TOOLS}
 

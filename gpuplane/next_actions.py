@@ -103,3 +103,35 @@ def after_primary_metric(key, project=None, experiment=None):
         return []
     return [action("get_best_checkpoint", f"recommendations now rank by {key}",
                    experiment=experiment, project=project)]
+
+
+def after_sweep(sweep, timeout_s=600):
+    """What to do with a sweep in the state it is in (create, get, wait, retry): wait while
+    it runs; when it ended, the best checkpoint across its trials, the leading trials
+    compared, the best run judged; for one stopped by failing trials, why and a re-run."""
+    sweep_id, state = sweep["id"], sweep["state"]
+    trials = sweep.get("trials_detail") or []
+    if state == "RUNNING":
+        return [action("wait_for_sweep", "wait until every trial has ended",
+                       sweep_id=sweep_id, timeout_s=timeout_s)]
+    acts = []
+    failed = [t for t in trials if t.get("state") == "FAILED" and t.get("job_id")]
+    if state == "STOPPED" and failed:
+        acts.append(action("explain_failure", f"find out why trial {failed[0]['number']} "
+                           "failed", job_id=failed[0]["job_id"]))
+        acts.append(action("retry_failed_sweep", "once the command is fixed, run the failed "
+                           "trials again with their parameters", sweep_id=sweep_id))
+    scored = [t for t in trials if t.get("run_id") and isinstance(
+        (t.get("value") or {}).get("value"), (int, float))]
+    d = (sweep.get("metric") or {}).get("direction")
+    scored.sort(key=lambda t: t["value"]["value"] * (-1 if d == "max" else 1))
+    if scored:
+        acts.append(action("get_best_checkpoint", "the checkpoint to keep across all trials",
+                           sweep_id=sweep_id))
+    if len(scored) >= 2:
+        acts.append(action("compare_runs", "the leading trials side by side: by more than "
+                           "the noise?", run_ids=[t["run_id"] for t in scored[:3]]))
+    if scored:
+        acts.append(action("diagnose_run", "judge the best trial's curves",
+                           run_id=scored[0]["run_id"]))
+    return acts

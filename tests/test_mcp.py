@@ -17,6 +17,8 @@ OBSERVE = {"get_status", "list_jobs", "get_job", "get_job_logs", "list_runs", "g
 CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric"}
 SEMANTIC = {"diagnose_run", "compare_runs", "compare_checkpoints", "get_best_checkpoint",
             "explain_failure"}
+SWEEPS = {"list_sweeps", "get_sweep", "wait_for_sweep", "create_sweep", "cancel_sweep",
+          "retry_failed_sweep"}       # tests/test_sweeps.py drives them
 
 
 def mcp_env(server_url, token, home):
@@ -131,7 +133,8 @@ def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
 
         tools = (await client.list_tools()).tools
         names = {t.name for t in tools}
-        assert OBSERVE | CONTROL | SEMANTIC | {"wait_for_job", "wait_for_jobs"} == names
+        assert OBSERVE | CONTROL | SEMANTIC | SWEEPS | {"wait_for_job", "wait_for_jobs"} \
+            == names
         for t in tools:
             assert t.description and len(t.description) > 40, t.name
             assert t.output_schema, t.name

@@ -282,3 +282,36 @@ def test_bad_sweeps_are_refused_over_rest_and_the_cli(box, monkeypatch, capsys):
     assert "low (3) is above high (1)" in err
     listed = json.loads(cli_run(box, monkeypatch, capsys, "sweep", "list", "--json").out)
     assert {s["name"] for s in listed} >= {"grid", "broken"}
+
+
+def test_mcp_creates_watches_and_judges_a_sweep(box):
+    from test_mcp import check_next_actions, err, mcp_env, session
+    api, work = box["api"], box["work"]
+    reader = api.post("/api/v1/tokens", {"name": "reader", "scope": "read"}, expect=201)["token"]
+    args = {"name": "mcp", "experiment": "mcp", "working_dir": str(work), "parallel": 2,
+            "command": f"{sys.executable} trial.py --x {{x}} --out ckpt/mcp-{{trial}}",
+            "parameters": {"x": [0.2, 0.7]}, "metric": "loss"}
+
+    async def as_writer(call, client):
+        bad, text = await call("create_sweep", **{**args, "command": "t {nope}"})
+        assert bad and "{nope}" in text
+        bad, s = await call("create_sweep", **args)
+        assert not bad, s
+        assert [a["tool"] for a in s["next_actions"]] == ["wait_for_sweep"]
+        bad, done = await call("wait_for_sweep", sweep_id=s["id"], timeout_s=120)
+        assert not bad and done["reached"] and done["state"] == "DONE", done
+        check_next_actions(done)
+        tools = [a["tool"] for a in done["next_actions"]]
+        assert tools == ["get_best_checkpoint", "compare_runs", "diagnose_run"]
+        assert done["best"]["params"] == {"x": 0.2}
+        bad, best = await call("get_best_checkpoint", sweep_id=s["id"])
+        assert not bad and best["checkpoint"]["path"].endswith("mcp-0/step40.pt"), best
+        bad, listed = await call("list_sweeps", state="DONE")
+        assert not bad and s["id"] in [x["id"] for x in listed["sweeps"]]
+    session(mcp_env(box["server"].url, box["server"].token, work), as_writer, in_process=True)
+
+    async def as_reader(call, client):
+        assert err(await call("create_sweep", **args)).startswith("WriteScopeError")
+        bad, s = await call("get_sweep", sweep_id=box["grid"]["id"])
+        assert not bad and s["trials_detail"]
+    session(mcp_env(box["server"].url, reader, work), as_reader, in_process=True)
