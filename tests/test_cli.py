@@ -570,6 +570,10 @@ def test_up_stays_up_until_sigterm_then_stops_both(tmp_path):
     with pytest.raises(client.ServerUnreachable):
         client.Client(url, "-").get_health()
     assert (home / "logs" / "server.log").exists() and (home / "logs" / "agent.log").exists()
+    # issue 22: agent.log was 0644 (opened after the server had made the home private)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (home / "logs").iterdir()}
+    assert modes == {"server.log": "0o600", "agent.log": "0o600"}, modes
+    assert oct((home / "logs").stat().st_mode & 0o777) == "0o700"
 
 
 def test_token_on_the_command_line_is_warned_about(capsys):

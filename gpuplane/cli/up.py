@@ -114,7 +114,11 @@ class _Child:
     def __init__(self, name, argv, log_path, env):
         self.name = name
         self.log_path = log_path
-        self._log = open(log_path, "ab")
+        # Private like everything the home holds (the logs may show job commands and
+        # paths): created 0600, and an older file made so too.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        self._log = os.fdopen(fd, "ab")
         # Own session: Ctrl-C reaches only `up`, which then stops agent then server in order.
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env,
@@ -326,8 +330,9 @@ def cmd_up(args):
 
     example_dir = _check_args(args)
     home = config.home_dir(args.home)
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "logs").mkdir(exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (home / "logs").mkdir(mode=0o700, exist_ok=True)
+    os.chmod(home / "logs", 0o700)
     cfg = config.load_server_config(home)
     port = args.port or cfg.get("port") or config.DEFAULT_PORT
     url = _connect_url(args.host, port)
