@@ -12,6 +12,8 @@ const ROUTES = [
   [/^#\/runs\/(\d+)$/, "run"],
   [/^#\/runs$/, "runs"],
   [/^#\/experiments$/, "experiments"],
+  [/^#\/sweeps\/(\d+)$/, "sweep"],
+  [/^#\/sweeps$/, "sweeps"],
   [/^#\/events$/, "events"],
   [/^#\/metrics$/, "metricdefs"],
   [/^#\/login$/, "login"],
@@ -73,7 +75,7 @@ export function errorBox(e) {
 
 function markNav(name) {
   const active = { overview: "#/", jobs: "#/jobs", job: "#/jobs", submit: "#/jobs", runs: "#/runs",
-    run: "#/runs", experiments: "#/experiments", events: "#/events", metricdefs: "#/metrics" }[name];
+    run: "#/runs", experiments: "#/experiments", sweeps: "#/sweeps", sweep: "#/sweeps", events: "#/events", metricdefs: "#/metrics" }[name];
   for (const a of document.querySelectorAll("#nav a")) {
     if (a.getAttribute("href") === active) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");

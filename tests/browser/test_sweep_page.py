@@ -1,0 +1,60 @@
+"""The sweep pages in a real Chromium: the list, one sweep's trials table and its
+parameter-against-metric scatter, against a real server and agent."""
+import sys
+
+from conftest import SCREENSHOTS  # noqa: F401  (the screenshots folder the others use)
+from procs import wait_for
+from test_dashboard import shot
+
+TRIAL = """\
+import argparse, time
+from gpuctl import run
+ap = argparse.ArgumentParser()
+ap.add_argument("--x", type=float)
+ap.add_argument("--opt")
+a = ap.parse_args()
+for step in range(1, 21):
+    run.log({"val/loss": (a.x - 0.3) ** 2 + (0.1 if a.opt == "sgd" else 0) + 1 / step}, step=step)
+    time.sleep(0.01)
+"""
+
+
+def test_sweep_list_trials_table_and_scatter(open_page, cluster):
+    server, _agent, home = cluster
+    wd = home / "sweep-work"
+    wd.mkdir(exist_ok=True)
+    (wd / "trial.py").write_text(TRIAL)
+    api = server.api
+    s = api.post("/api/v1/sweeps", {
+        "name": "page <b>x</b>", "experiment": "sweep-page", "working_dir": str(wd),
+        "cpu_only": True, "parallel": 2, "metric": "val/loss",
+        "command": f"{sys.executable} trial.py --x {{x}} --opt {{opt}}",
+        "parameters": {"x": [0.0, 0.3, 0.9], "opt": ["adam", "sgd"]}}, expect=201)
+    wait_for(lambda: api.get(f"/api/v1/sweeps/{s['id']}")["state"] == "DONE", 120,
+             what="the sweep to end")
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/sweeps")
+    row = page.wait_for_selector(f"#sweeps-body tr[data-sweep='{s['id']}']")
+    assert "page <b>x</b>" in row.inner_text() and "6 succeeded" in row.inner_text()
+    shot(page, "sweeps")
+    page.click(f"#sweeps-body tr[data-sweep='{s['id']}'] a")
+    page.wait_for_selector("#trials-body tr[data-trial='5']")
+    assert page.locator("#trials-body tr").count() == 6
+    assert "best so far: trial 2" in page.inner_text("#best")
+    assert "x=0.3 opt=adam" in page.inner_text("#best")
+    assert page.locator("#trials-body tr.leader[data-trial='2']").count() == 1
+    # one dot per trial; the best (x=0.3) lowest on the plot (smaller loss is lower)
+    pts = page.evaluate("() => window.gpuplane.sweep.points")
+    assert len(pts) == 6
+    best = next(p for p in pts if p["trial"] == 2)
+    assert best["cy"] == max(p["cy"] for p in pts)
+    assert page.evaluate("""() => { const c = document.getElementById('scatter');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; }""") > 200
+    # a categorical parameter on the x axis
+    page.select_option("#scatter-param", "opt")
+    assert {p["x"] for p in page.evaluate("() => window.gpuplane.sweep.points")} == \
+        {"adam", "sgd"}
+    shot(page, "sweep")
+    w.assert_clean()
