@@ -131,14 +131,26 @@ export class MetricChart {
     const data = this.data();
     const level = this.raw ? this.raw.level : 1;
     const n = data[0].length;
-    this.status.textContent = n ? (level > 1 ? `${n} buckets of ${level} steps` : `${n} points`) : "no points yet";
+    const finite = data.slice(1, 4).reduce((m, col) => Math.max(m, col.filter((v) => v !== null && Number.isFinite(v)).length), 0);
+    this.status.textContent = n ? (level > 1 ? `${n} buckets of ${level} steps` : `${n} point${n === 1 ? "" : "s"}`) : "no points yet";
     this.zoomBtn.hidden = !this.zoom;
+    if (!finite) {
+      // Nothing to draw: say so in the frame rather than draw axes around nothing.
+      if (this.u) this.u.destroy();
+      this.u = null;
+      this.optsKey = null;
+      this.plotEl.replaceChildren(h("div", { class: "plot-empty muted", text: n ? `no finite value to draw: ${n === 1 ? "the point is" : `all ${n} points are`} NaN or infinite` : "no points yet" }));
+      return;
+    }
     const smoothing = this.options.smoothing > 0;
     const wall = this.wall;
     const clock = this.time || wall;
-    const optsKey = `${this.options.log}|${smoothing}|${wall}`;
+    // A few points make no line: draw each as a dot, so one point is seen.
+    const sparse = finite <= 3;
+    const optsKey = `${this.options.log}|${smoothing}|${wall}|${sparse}`;
     if (this.u && this.optsKey === optsKey) {
       this.u.setData(data, !this.view);
+      this.fitSingle(data);
       if (this.view) this.u.setScale("x", { min: this.view[0], max: this.view[1] });
       return;
     }
@@ -156,7 +168,7 @@ export class MetricChart {
         { label: clock ? "time" : this.xLabel },
         { label: "min", stroke: "transparent", points: { show: false } },
         { label: "max", stroke: "transparent", points: { show: false } },
-        { label: smoothing ? "mean (raw)" : "mean", stroke: smoothing ? `${this.color}66` : this.color, width: smoothing ? 1 : 1.5, points: { show: false } },
+        { label: smoothing ? "mean (raw)" : "mean", stroke: smoothing ? `${this.color}66` : this.color, width: smoothing ? 1 : 1.5, points: sparse ? { show: true, size: 8, fill: this.color, stroke: this.color } : { show: false } },
         { label: "smoothed", stroke: this.color, width: 1.5, show: smoothing, points: { show: false } },
       ],
       bands: [{ series: [2, 1], fill: band }],
@@ -178,12 +190,22 @@ export class MetricChart {
     };
     this.plotEl.replaceChildren();
     this.u = new uPlot(opts, data, this.plotEl);
+    this.fitSingle(data);
     if (this.view) this.u.setScale("x", { min: this.view[0], max: this.view[1] });
     if (data[0].length && window.gpuplane && !window.gpuplane.firstChartAt) {
       window.gpuplane.firstChartAt = performance.now();     // for bench/dashboard.py
     }
     this.u.over.addEventListener("dblclick", () => this.resetZoom());
     this.u.over.title = "drag to zoom in (full resolution), double-click to zoom out";
+  }
+
+  // One x value: uPlot's own range for it spans years on a clock axis. A minute around
+  // it on a clock, a few steps around it otherwise.
+  fitSingle(data) {
+    const xs = data[0];
+    if (!xs.length || xs[0] !== xs[xs.length - 1] || this.view) return;
+    const pad = this.time || this.wall ? 30 : 1;
+    this.u.setScale("x", { min: xs[0] - pad, max: xs[0] + pad });
   }
 
   drawMarkers(u) {
