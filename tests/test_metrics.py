@@ -664,3 +664,36 @@ def test_summary_direction_from_a_definition(client, db):
                                                                  "improving")
     assert a["best"] == {"step": 199, "value": 199.0}
     assert (acc["direction"], acc["trend"], acc["best"]["step"]) == ("min", "worsening", 0)
+
+
+def test_after_retention_a_checkpoint_never_takes_another_steps_value(client, db):
+    """Issue 22: once raw points were pruned, a checkpoint's value (GET /checkpoints/ID,
+    recommend) silently came from the nearest surviving step, however far. Retention now
+    keeps the point at each registered checkpoint's step; a checkpoint without one in the
+    pruned range has no value, and recommend never ranks by another step's."""
+    run = new_run(client)
+    recent = now_ms()
+    old = recent - 30 * 86_400_000
+    # eval/loss every 100 steps, lowest (best) at step 500; old except the last ten
+    pts = [[0, s, 1.0 + abs(s - 500) / 1000, old] for s in range(0, 10_000, 100)]
+    pts += [[0, 10_000 + s, 5.0, recent] for s in range(10)]
+    with db.tx() as c:
+        metrics.ingest(c, run, ["eval/loss"], pts)
+    ck = {}
+    for step in (500, 550):          # 550: between two logged steps
+        r = client.post(f"/api/v1/runs/{run}/checkpoints", json={"path": f"/c/{step}.pt",
+                                                                "step": step})
+        ck[step] = r.get_json()["id"]
+    Rollup(db, {"raw_retention_days": 7}).tick()
+    assert count_points(db) == 11            # the ten recent ones and step 500's
+    c500 = get(client, f"/api/v1/checkpoints/{ck[500]}")["metrics"]
+    assert c500 == {"eval/loss": {"step": 500, "value": 1.0}}
+    assert get(client, f"/api/v1/checkpoints/{ck[550]}")["metrics"] == {}
+    # registered after the prune: no value either (the nearest left is step 500 or 10000)
+    r = client.post(f"/api/v1/runs/{run}/checkpoints", json={"path": "/c/9000.pt",
+                                                            "step": 9000})
+    assert get(client, f"/api/v1/checkpoints/{r.get_json()['id']}")["metrics"] == {}
+    best = get(client, f"/api/v1/checkpoints:recommend?run={run}&key=eval/loss")
+    assert best["checkpoint"]["checkpoint_id"] == ck[500], best
+    assert [c["checkpoint_id"] for c in best["ranked"]] == [ck[500]]
+    assert best["candidates"] == 3 and best["runner_up"] is None

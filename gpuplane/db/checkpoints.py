@@ -131,7 +131,8 @@ WITH k AS MATERIALIZED (
     SELECT id, key, CASE WHEN lo IS NULL THEN hi WHEN hi IS NULL THEN lo
                          WHEN :s - lo <= hi - :s THEN lo ELSE hi END AS step FROM k
 )
-SELECT n.key, n.step, (SELECT value FROM points WHERE key_id = n.id AND step = n.step)
+SELECT n.key, n.step, (SELECT value FROM points WHERE key_id = n.id AND step = n.step),
+       coalesce((SELECT pruned_step FROM metric_rollup WHERE key_id = n.id), -1)
 FROM n WHERE n.step IS NOT NULL ORDER BY n.key
 """
 
@@ -142,7 +143,17 @@ def metrics_at(db, run_id, step):
     if step is None:
         return {}
     return {key: {"step": s, "value": v}
-            for key, s, v in db.query(_NEAREST, {"r": run_id, "s": step})}
+            for key, s, v, pruned in db.query(_NEAREST, {"r": run_id, "s": step})
+            if not from_pruned(step, s, pruned)}
+
+
+def from_pruned(step, at, pruned):
+    """Whether the point at `at`, nearest to a checkpoint's `step`, stands in for points
+    retention deleted: inside the pruned range only the checkpoint's own step counts
+    (retention keeps it, gpuplane/db/metrics.py prune_key); a neighbour there may be any
+    distance away from what was logged next to the checkpoint, so there is no value."""
+    return at is not None and at != step and pruned is not None and pruned >= 0 and (
+        at <= pruned or step <= pruned)
 
 
 # -- evaluations ------------------------------------------------------------------------
@@ -232,6 +243,7 @@ WITH rk AS MATERIALIZED (
     WHERE {where}
 )
 SELECT c.id, c.run_id, c.step, rk.key_id, p.step, p.value,
+       (SELECT pruned_step FROM metric_rollup WHERE key_id = rk.key_id),
        CASE WHEN p.step IS NULL THEN
            (SELECT step FROM points WHERE key_id = rk.key_id AND step < c.step
             ORDER BY step DESC LIMIT 1) END,
@@ -268,11 +280,14 @@ def candidates(db, key, run_id=None, project=None, experiment=None, sweep_id=Non
         cur = conn.cursor()
         cur.row_factory = None          # plain tuples: thousands of rows, read once
         rows = cur.execute(_CANDIDATES.format(where=rwhere), (key, *rparams)).fetchall()
-    for cid, rid, step, key_id, exact, value, lo, hi in rows:
+    for cid, rid, step, key_id, exact, value, pruned, lo, hi in rows:
         at = exact
         if at is None and step is not None and (lo is not None or hi is not None):
             at = hi if lo is None else lo if hi is None or step - lo <= hi - step else hi
-            todo.append((key_id, at, len(out)))
+            if from_pruned(step, at, pruned):
+                at = None           # never a value from another step (see from_pruned)
+            else:
+                todo.append((key_id, at, len(out)))
         eval_id, eval_value = evals.get(cid, (None, None))
         out.append({"id": cid, "run_id": rid, "step": step, "training": value,
                     "at_step": at, "evaluation": eval_value, "evaluation_id": eval_id})

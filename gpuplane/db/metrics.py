@@ -429,8 +429,13 @@ def prune_key(conn, key_id, upto, older_than_ms):
         return 0
     # Everything at or below the newest pruned step counts as pruned: its bucket
     # must not be rebuilt from what raw is left.
-    cur = conn.execute("DELETE FROM points WHERE key_id = ? AND step <= ? AND ts < ?",
-                       (key_id, upto, older_than_ms))
+    # A registered checkpoint's own step is kept: its training value must never come
+    # from another step once the raw points around it are gone (docs/checkpoints.md).
+    cur = conn.execute(
+        "DELETE FROM points WHERE key_id = ? AND step <= ? AND ts < ? AND step NOT IN"
+        " (SELECT c.step FROM checkpoints c JOIN metric_keys k ON k.run_id = c.run_id"
+        "  WHERE k.id = ? AND c.step IS NOT NULL)",
+        (key_id, upto, older_than_ms, key_id))
     conn.execute("UPDATE metric_rollup SET pruned_step = max(pruned_step, ?)"
                  " WHERE key_id = ?", (row[0], key_id))
     return cur.rowcount
