@@ -14,6 +14,7 @@ Contents (the section headers below, in order):
     attempts: a job's files, environment, command, exit and log lines
     launcher: attempts start through the shim; their process trees are stopped
     containers: a job with an image runs under the same shim as `docker run` (docs/docker.md)
+    Slurm: `--runner slurm` hands every start to sbatch (docs/slurm.md)
     hooks of a running attempt: log tail, TensorBoard, checkpoints
     runner: start, watch, cancel and re-adopt job attempts
     the shim: its own session, outlives the agent
@@ -48,6 +49,10 @@ Threads and processes:
                           `exit`; outlives the agent                                no job left
     job processes         the user's command, in its own   -                        exit; a cancel: SIGTERM
                           session, output to its log                                to the group, SIGKILL
+    Slurm batch jobs      (--runner slurm) the command on  - (the runner's squeue   Slurm's end; a cancel:
+                          a compute node, under slurmd;    poll, one call for all)  scancel TERM, KILL
+                          sbatch/squeue/scancel run on
+                          the runner thread
 
 Runner, stats and connection are Workers (one shape: start(), run() ticks, stop()); the
 waiters, readers and heartbeats are plain threads that end with what they serve.
@@ -87,6 +92,7 @@ log = logging.getLogger("gpuplane.agent")
 
 # agent.toml and command-line defaults (Config)
 DEFAULT_CPU_SLOTS = 4
+DEFAULT_SLURM_MAX_JOBS = 16       # --runner slurm: jobs it may have in Slurm at once
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_STATS_INTERVAL_S = 10.0
 DEFAULT_RETENTION_DAYS = 14.0     # a reported attempt's files are kept this long
@@ -142,6 +148,11 @@ CKPT_MAX_DEPTH = 4                # levels below the watch dir
 CKPT_MAX_ENTRIES = 20_000         # directory entries looked at per scan
 CKPT_DIR_MAX_ENTRIES = 2_000      # entries summed for one checkpoint directory
 
+# Slurm (--runner slurm)
+SLURM_POLL_MIN_S = 0.25           # squeue this soon after a submit, a cancel or a change ...
+SLURM_POLL_MAX_S = 5.0            # ... backing off to this while nothing changes
+SLURM_TIMEOUT_S = 30.0            # one Slurm command
+
 FAKE_GPU_MEM_MB = 24576           # the memory of a fake GPU (--fake-gpus)
 
 SDK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sdk")
@@ -179,7 +190,9 @@ class Config:
     def __init__(self, server, token, name, home, fake_gpus=0, cpu_slots=DEFAULT_CPU_SLOTS,
                  heartbeat_s=DEFAULT_HEARTBEAT_S, stats_interval_s=DEFAULT_STATS_INTERVAL_S,
                  job_retention_days=DEFAULT_RETENTION_DAYS, backlog_mb=DEFAULT_BACKLOG_MB,
-                 default_image=None, docker_args=(), docker="docker"):
+                 default_image=None, docker_args=(), docker="docker",
+                 runner="process", slurm_partition=None, slurm_account=None, slurm_qos=None,
+                 slurm_time_limit=None, sbatch_args=(), slurm_max_jobs=DEFAULT_SLURM_MAX_JOBS):
         self.server = server
         self.token = token
         self.name = name
@@ -196,6 +209,24 @@ class Config:
                               '["--memory=32g", "--shm-size=8g"]')
         self.docker_args = list(docker_args)
         self.docker = str(docker)
+        # the Slurm runner (docs/slurm.md)
+        if runner not in ("process", "slurm"):
+            raise ConfigError(f"runner = {runner!r}: use \"process\" (jobs run on this host) "
+                              "or \"slurm\" (jobs go to Slurm with sbatch)")
+        self.runner = runner
+        self.slurm_partition = slurm_partition or None
+        self.slurm_account = slurm_account or None
+        self.slurm_qos = slurm_qos or None
+        if slurm_time_limit is not None and not re.fullmatch(
+                r"\d+|\d+:\d{2}(:\d{2})?|\d+-\d+(:\d{2}){0,2}", str(slurm_time_limit)):
+            raise ConfigError(f"slurm_time_limit = {slurm_time_limit!r} is not a Slurm time "
+                              "limit: minutes (60), H:MM:SS or D-HH (as sbatch --time takes)")
+        self.slurm_time_limit = str(slurm_time_limit) if slurm_time_limit else None
+        if isinstance(sbatch_args, str) or not all(isinstance(a, str) for a in sbatch_args):
+            raise ConfigError("sbatch_args must be a list of strings, e.g. "
+                              '["--constraint=a100", "--exclusive"]')
+        self.sbatch_args = list(sbatch_args)
+        self.slurm_max_jobs = _number("slurm_max_jobs", slurm_max_jobs, int, 1)
 
     @property
     def agent_dir(self):
@@ -225,6 +256,20 @@ def build_parser():
     p.add_argument("--docker-arg", action="append", metavar="ARG", dest="docker_args",
                    help="extra `docker run` option for every container job, e.g. "
                         "--docker-arg=--memory=32g (repeatable)")
+    p.add_argument("--runner", choices=("process", "slurm"),
+                   help="process: run jobs on this host (default); slurm: submit them to "
+                        "Slurm with sbatch, from a login node (docs/slurm.md)")
+    p.add_argument("--slurm-partition", metavar="P", help="Slurm partition (default: Slurm's)")
+    p.add_argument("--slurm-account", metavar="A", help="Slurm account to charge")
+    p.add_argument("--slurm-qos", metavar="Q", help="Slurm QoS")
+    p.add_argument("--slurm-time", metavar="T", dest="slurm_time_limit",
+                   help="time limit of a job that sets none (minutes, or H:MM:SS)")
+    p.add_argument("--sbatch-arg", action="append", metavar="ARG", dest="sbatch_args",
+                   help="extra sbatch option for every job, e.g. --sbatch-arg=--constraint=a100 "
+                        "(repeatable)")
+    p.add_argument("--slurm-max-jobs", type=int, metavar="N",
+                   help="jobs this agent may have in Slurm at once, pending or running "
+                        f"(default {DEFAULT_SLURM_MAX_JOBS}): the node's slots")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -262,7 +307,15 @@ def load_config(args):
                   backlog_mb=toml.get("backlog_mb", DEFAULT_BACKLOG_MB),
                   default_image=pick(args.default_image, "default_image"),
                   docker_args=pick(args.docker_args, "docker_args", []),
-                  docker=toml.get("docker", "docker"))
+                  docker=toml.get("docker", "docker"),
+                  runner=pick(args.runner, "runner", "process"),
+                  slurm_partition=pick(args.slurm_partition, "slurm_partition"),
+                  slurm_account=pick(args.slurm_account, "slurm_account"),
+                  slurm_qos=pick(args.slurm_qos, "slurm_qos"),
+                  slurm_time_limit=pick(args.slurm_time_limit, "slurm_time_limit"),
+                  sbatch_args=pick(args.sbatch_args, "sbatch_args", []),
+                  slurm_max_jobs=pick(args.slurm_max_jobs, "slurm_max_jobs",
+                                      DEFAULT_SLURM_MAX_JOBS))
 
 
 # ---------------------------------------------------------------------------------------
@@ -894,6 +947,9 @@ class Attempt:
         self.watch_dir = start.get("watch_dir")
         self.container = spec.get("container")   # a container's name, for image jobs
         self.container_stop_sent = False
+        self.slurm_id = None              # --runner slurm: the batch job's id, its last
+        self.slurm_reason = None          # PENDING reason, and whether its log appeared
+        self.log_seen = False
         self.watched = False              # this agent process launched it: a waiter watches
         self.shim_gone = False            # our waiter saw the shim exit
         self.started = False              # ... or its line: the command runs
@@ -1294,6 +1350,443 @@ class Docker:
 
 
 # ---------------------------------------------------------------------------------------
+# Slurm: `--runner slurm` hands every start to sbatch (docs/slurm.md)
+# ---------------------------------------------------------------------------------------
+# The agent runs on a login node and Slurm places the jobs: a start becomes a batch job
+# whose output goes to the attempt's `log` (the agent's home is on a filesystem the
+# compute nodes share), its state comes from one `squeue` call for all of this agent's
+# jobs, polled with backoff, and a cancel is scancel. Everything else (log tailing,
+# TensorBoard, checkpoints, the outbox) is the runner's, as for a local job: SlurmLauncher
+# stands in for Launcher, writing the attempt's `pid` file when Slurm runs the job and its
+# `exit` file when Slurm says it ended.
+#
+# Files of an attempt, besides the runner's: job.sh (the batch script) and slurm.json (the
+# Slurm job id; written with `submitting` before sbatch runs, so a crash in between is
+# found again by the job's name instead of being submitted twice).
+
+SLURM_FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+               "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED")
+SLURM_STARTED = ("RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING",
+                 "STAGE_OUT") + SLURM_FINAL
+# A job Slurm could not run through no fault of its own: a new attempt, as for a lost node.
+SLURM_LOST = ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
+# Variables of Slurm's own that must not reach sbatch from the agent's environment (an
+# agent started inside an allocation would hand its job id to every job); SLURM_CONF,
+# which says where the cluster is, does.
+_SLURM_PRIVATE_ENV = re.compile(r"^SLURM_(?!CONF$)")
+
+
+class SlurmError(Exception):
+    pass
+
+
+class Slurm:
+    """The Slurm commands the runner needs, each one call for all of this agent's jobs."""
+
+    def __init__(self, node, partition=None, account=None, qos=None, time_limit=None,
+                 sbatch_args=(), max_jobs=16):
+        self.node = node
+        self.partition = partition or None
+        self.account = account or None
+        self.qos = qos or None
+        self.time_limit = time_limit or None
+        self.sbatch_args = list(sbatch_args or ())
+        self.max_jobs = max_jobs
+
+    def job_name(self, job_id, attempt):
+        return f"gpuplane-{_container_safe(self.node)}-{int(job_id)}-{int(attempt)}"
+
+    def _run(self, *argv, env=None, timeout=SLURM_TIMEOUT_S):
+        try:
+            return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL, env=env)
+        except FileNotFoundError:
+            raise SlurmError(f"{argv[0]} not found on this host: the Slurm runner needs the "
+                             "Slurm client commands (sbatch, squeue, scancel, sinfo) on PATH")
+        except (OSError, subprocess.SubprocessError) as e:
+            raise SlurmError(f"{argv[0]} failed: {e}")
+
+    # -- what the partition offers (sinfo) ------------------------------------------------
+
+    def offers(self):
+        """-> {"partition", "nodes", "max_gpus", "cpus", "mem_mb", "gres", "time_limit",
+        "states"} of the partition (the default one when none is set), or with "error"."""
+        argv = ["sinfo", "-h", "-o", "%P|%D|%c|%m|%G|%l|%t|%a"]
+        if self.partition:
+            argv += ["-p", self.partition]
+        try:
+            r = self._run(*argv)
+        except SlurmError as e:
+            return {"partition": self.partition, "error": str(e)}
+        if r.returncode != 0:
+            return {"partition": self.partition, "error": r.stderr.strip()[:500]}
+        out = {"partition": self.partition, "nodes": 0, "max_gpus": 0, "cpus": 0,
+               "mem_mb": 0, "gres": [], "time_limit": None, "states": {}}
+        for line in r.stdout.splitlines():
+            f = line.split("|")
+            if len(f) < 8:
+                continue
+            part = f[0].rstrip("*")
+            if not self.partition and not f[0].endswith("*"):
+                continue                 # the default partition only
+            out["partition"] = part
+            nodes = int(f[1]) if f[1].isdigit() else 0
+            out["nodes"] += nodes
+            out["cpus"] = max(out["cpus"], _leading_int(f[2]))
+            out["mem_mb"] = max(out["mem_mb"], _leading_int(f[3]))
+            out["max_gpus"] = max(out["max_gpus"], gres_gpus(f[4]))
+            if f[4] and f[4] != "(null)" and f[4] not in out["gres"]:
+                out["gres"].append(f[4])
+            out["time_limit"] = f[5]
+            out["states"][f[6]] = out["states"].get(f[6], 0) + nodes
+            out["available"] = f[7]
+        return out
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def script(self, command):
+        """The batch script: the command, exec'd so Slurm's signals reach it."""
+        import shlex
+        return ("#!/bin/sh\n# GPUPlane (agent.py's Slurm runner): the job's command\n"
+                "exec " + " ".join(shlex.quote(a) for a in command) + "\n")
+
+    def sbatch_argv(self, msg, attempt_dir):
+        job_id, attempt = int(msg["job_id"]), int(msg["attempt"])
+        log_path = os.path.join(attempt_dir, "log")
+        argv = ["sbatch", "--parsable", f"--job-name={self.job_name(job_id, attempt)}",
+                f"--chdir={msg['working_dir']}", f"--output={log_path}",
+                f"--error={log_path}", "--open-mode=append", "--no-requeue",
+                f"--comment=gpuplane job {job_id} attempt {attempt}"]
+        for flag, value in (("--partition", self.partition), ("--account", self.account),
+                            ("--qos", self.qos)):
+            if value:
+                argv.append(f"{flag}={value}")
+        gpus = 0 if msg.get("cpu_only") else int(msg.get("gpu_count") or
+                                                   len(msg.get("gpus") or []))
+        if gpus:
+            argv.append(f"--gres=gpu:{gpus}")
+        if msg.get("cpus"):
+            argv.append(f"--cpus-per-task={int(msg['cpus'])}")
+        if msg.get("mem_mb"):
+            argv.append(f"--mem={int(msg['mem_mb'])}M")
+        minutes = msg.get("time_limit_min") or self.time_limit
+        if minutes:
+            argv.append(f"--time={minutes}")
+        return argv + self.sbatch_args + [os.path.join(attempt_dir, "job.sh")]
+
+    def exec_spec(self, msg, env, attempt_dir):
+        """The runner's exec record for a Slurm job. Raises ValueError with a sentence."""
+        if msg.get("image"):
+            raise ValueError("this agent runs its jobs through Slurm, which does not take "
+                             "GPUPlane's --image; submit without it (a cluster's container "
+                             "support goes in the agent's sbatch_args)")
+        # The working dir must be on the shared filesystem; the program need not exist on
+        # the login node (modules, compute-node installs): a missing one fails in the job.
+        resolve_command(["true"], msg.get("working_dir"), env)
+        command = msg.get("command")
+        if isinstance(command, str):
+            command = ["/bin/sh", "-c", command]
+        if not command or not all(isinstance(a, str) and a and "\0" not in a
+                                  for a in command[:1]) or \
+                not all(isinstance(a, str) and "\0" not in a for a in command):
+            raise ValueError(f"command must be a non-empty list of strings, got {command!r}")
+        env = {k: v for k, v in env.items() if not _SLURM_PRIVATE_ENV.match(k)}
+        # Slurm sets CUDA_VISIBLE_DEVICES to the cards it gives the job (--gres); a
+        # cpu_only job sees none, as on a local agent.
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if msg.get("cpu_only"):
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return {"slurm": True, "argv": self.sbatch_argv(msg, attempt_dir),
+                "script": self.script(command), "cwd": msg["working_dir"], "env": env}
+
+    def sbatch(self, exec_record):
+        """-> the Slurm job id; SlurmError with sbatch's own words when it refuses."""
+        r = self._run(*exec_record["argv"], env=exec_record["env"])
+        if r.returncode != 0:
+            raise SlurmError(f"sbatch refused the job: {r.stderr.strip()[:800] or r.returncode}")
+        job_id = r.stdout.strip().split(";")[0].strip()
+        if not job_id.split("_")[0].isdigit():
+            raise SlurmError(f"sbatch said {r.stdout.strip()[:200]!r}, not a job id")
+        return job_id
+
+    # -- states ---------------------------------------------------------------------------
+
+    def states(self, ids):
+        """{slurm id: {"state", "reason", "exit_code", "signal", "node"}} of the jobs
+        slurmctld still holds (one squeue call); ids it forgot are left out."""
+        if not ids:
+            return {}
+        r = self._run("squeue", "-h", "-t", "all", "-j", ",".join(sorted(ids)), "-O",
+                      "JobID:|,State:|,exit_code:|,NodeList:|,Reason:")
+        if r.returncode != 0:
+            if "Invalid job id" in r.stderr:
+                return {}
+            raise SlurmError(f"squeue failed: {r.stderr.strip()[:300]}")
+        out = {}
+        for line in r.stdout.splitlines():
+            f = line.split("|", 4)
+            if len(f) < 5 or f[0].strip() not in ids:
+                continue
+            status = _leading_int(f[2])
+            out[f[0].strip()] = {"state": f[1].strip().split()[0] if f[1].strip() else "",
+                                 "exit_code": status >> 8, "signal": status & 0x7f or None,
+                                 "node": f[3].strip(), "reason": f[4].strip()}
+        return out
+
+    def accounting(self, ids=(), name=None):
+        """Finished jobs slurmctld has forgotten, from sacct (slurmdbd) or, without it,
+        the job completion log (`sacct -c`). -> {id: state dict} as states()."""
+        sel = ["-j", ",".join(sorted(ids))] if ids else ["--name", name]
+        out = {}
+        for extra in ([], ["-c"]):
+            try:
+                r = self._run("sacct", *extra, "-n", "-P", "-X", "-S", "now-30days", *sel,
+                              "-o", "JobIDRaw,State,ExitCode,NodeList")
+            except SlurmError:
+                return out
+            if r.returncode != 0 or not r.stdout.strip():
+                continue
+            for line in r.stdout.splitlines():
+                f = line.split("|")
+                if len(f) < 4:
+                    continue
+                code, _, sig = f[2].partition(":")
+                out[f[0]] = {"state": f[1].split()[0] if f[1] else "", "reason": "",
+                             "exit_code": _leading_int(code),
+                             "signal": _leading_int(sig) or None, "node": f[3]}
+            if out:
+                return out
+        return out
+
+    def find(self, name):
+        """The ids of jobs of this name slurmctld holds (a submit the agent did not see
+        answered)."""
+        r = self._run("squeue", "-h", "-t", "all", "--name", name, "-o", "%i")
+        ids = r.stdout.split() if r.returncode == 0 else []
+        return ids or sorted(self.accounting(name=name))
+
+    def scancel(self, slurm_id, signal_name=None):
+        argv = ["scancel"]
+        if signal_name:
+            argv += [f"--signal={signal_name}", "--full"]
+        try:
+            r = self._run(*argv, slurm_id)
+        except SlurmError as e:
+            log.warning("%s", e)
+            return False
+        if r.returncode != 0:
+            log.info("scancel %s %s: %s", signal_name or "", slurm_id, r.stderr.strip()[:300])
+        return r.returncode == 0
+
+
+def _leading_int(text):
+    m = re.match(r"\s*(\d+)", text or "")
+    return int(m.group(1)) if m else 0
+
+
+def gres_gpus(gres):
+    """GPUs one node offers from sinfo's %G ("gpu:4", "gpu:a100:8(S:0-1)", "(null)")."""
+    total = 0
+    for part in (gres or "").split(","):
+        bits = part.split("(")[0].split(":")
+        if bits[0] == "gpu" and len(bits) >= 2 and bits[-1].isdigit():
+            total += int(bits[-1])
+    return total
+
+
+def slurm_end(info, cancel):
+    """An exit record for a Slurm job in a final state (`info` from states())."""
+    state = info["state"]
+    rec = exit_record(exit_code=info.get("exit_code"), signal=info.get("signal"),
+                      slurm_state=state)
+    where = f" on {info['node']}" if info.get("node") else ""
+    if state == "OUT_OF_MEMORY":
+        rec.update(failure_kind="OOM", message=f"Slurm: OUT_OF_MEMORY{where}: the job went "
+                   "over its memory (--mem); give it more or use less")
+    elif state in ("TIMEOUT", "DEADLINE"):
+        rec.update(failure_kind="TIMEOUT", message=f"Slurm: {state}{where}: the job ran past "
+                   "its time limit (--time); give it more time or checkpoint and resume")
+    elif state in SLURM_LOST:
+        rec.update(failure_kind="LOST", message=f"Slurm: {state}{where}; retried as a new "
+                   "attempt")
+    elif state == "CANCELLED" and cancel is None:
+        rec.update(failure_kind="CANCELLED", message="cancelled in Slurm by someone else "
+                   "(scancel or an administrator), not through GPUPlane")
+    elif state in ("COMPLETED", "FAILED", "CANCELLED"):
+        pass        # the exit code (and the log's OOM patterns) decide, as for a process
+    else:
+        rec.update(failure_kind="EXIT_CODE", message=f"Slurm: {state}{where}")
+    return rec
+
+
+class SlurmLauncher:
+    """Launcher's part for Slurm jobs: submit, follow the states, cancel. The runner
+    thread calls poll() at each tick; it runs squeue once when due, never per job."""
+
+    def __init__(self, slurm, kill_grace_s, wake):
+        self.slurm = slurm
+        self.kill_grace_s = kill_grace_s
+        self.wake = wake
+        self.poll_s = SLURM_POLL_MIN_S
+        self.next_poll = 0.0
+        self.pending = {}           # slurm id -> Attempt, for every attempt not yet ended
+        self.report = None          # callable(att, reason): a `job` PENDING record
+        self.failures = 0
+
+    def warm(self):
+        return None
+
+    def close(self):
+        pass
+
+    def kick(self):
+        self.poll_s = SLURM_POLL_MIN_S
+        self.next_poll = 0.0
+
+    def adopt(self, att):
+        """An attempt from before a restart: its id from slurm.json (or Slurm, by name)."""
+        info = read_json(att.file("slurm.json")) or {}
+        att.watched = True
+        att.slurm_id = info.get("job_id")
+        att.pid_info = read_json(att.file("pid"))
+        att.started = att.pid_info is not None
+        if att.slurm_id is None and info.get("submitting") is not None:
+            try:
+                found = self.slurm.find(self.slurm.job_name(att.job_id, att.attempt))
+            except SlurmError as e:
+                log.warning("job %s attempt %s: cannot look it up in Slurm: %s", att.job_id,
+                            att.attempt, e)
+                found = None
+            if found:
+                att.slurm_id = found[0]
+                write_json_atomic(att.file("slurm.json"), {"job_id": att.slurm_id})
+            elif found is not None and read_json(att.file("exit")) is None:
+                write_exit(att.dir, failure_kind="LOST", message="the agent stopped while "
+                           "submitting it and Slurm has no job of its name; retried as a new "
+                           "attempt")
+        if att.slurm_id is not None:
+            self.pending[att.slurm_id] = att
+        self.kick()
+
+    def launch(self, att, exec_record):
+        att.watched = True
+        att.slurm_id = None
+        with open(att.file("job.sh"), "w", opener=lambda p, f: os.open(p, f, 0o700)) as f:
+            f.write(exec_record["script"])
+        write_json_atomic(att.file("slurm.json"), {"submitting": now_ms()})
+        try:
+            slurm_id = self.slurm.sbatch(exec_record)
+        except SlurmError as e:
+            log.error("job %s attempt %s: %s", att.job_id, att.attempt, e)
+            with open(att.file("log"), "ab", opener=_private_opener) as f:
+                f.write(f"gpuplane: {e}\n".encode())
+            write_exit(att.dir, failure_kind="DISPATCH_FAILED", message=str(e))
+            write_json_atomic(att.file("slurm.json"), {"job_id": None, "refused": str(e)})
+            return
+        write_json_atomic(att.file("slurm.json"), {"job_id": slurm_id,
+                                                   "submitted_at": now_ms()})
+        att.slurm_id = slurm_id
+        self.pending[slurm_id] = att
+        log.info("job %s attempt %s: Slurm job %s", att.job_id, att.attempt, slurm_id)
+        if self.report:
+            self.report(att, None)
+        self.kick()
+
+    def shim_alive(self, att):
+        """True while Slurm has not said the job ended (its `exit` file). The output file
+        appears when the job starts on its node: then squeue is asked at once instead of
+        at the end of its backoff."""
+        if att.slurm_id is None or att.slurm_id not in self.pending:
+            return False
+        if not att.started and not att.log_seen and os.path.exists(att.file("log")):
+            att.log_seen = True
+            self.kick()
+        return True
+
+    def enforce_cancel(self, att, cancel):
+        """scancel: SIGTERM to every step of a running job, SIGKILL once the grace period
+        is over; a job still pending is cancelled at once. -> True once Slurm says it
+        ended (or it was never submitted)."""
+        slurm_id = att.slurm_id
+        if slurm_id is None or slurm_id not in self.pending:
+            return True
+        if not att.term_sent:
+            att.term_sent = True
+            if att.started:
+                self.slurm.scancel(slurm_id, "TERM")
+            else:
+                self.slurm.scancel(slurm_id)
+            self.kick()
+        elif not att.killed and now_ms() - cancel.get("requested_at", 0) >= \
+                self.kill_grace_s * 1000:
+            att.killed = True
+            log.info("job %s attempt %s: Slurm job %s still there after SIGTERM; SIGKILL",
+                     att.job_id, att.attempt, slurm_id)
+            self.slurm.scancel(slurm_id, "KILL")
+            self.slurm.scancel(slurm_id)
+            self.kick()
+        return False
+
+    def due(self, now):
+        return self.next_poll if self.pending else now + IDLE_WAKE_S
+
+    def poll(self, now):
+        """One squeue for every job not yet ended, when due: write `pid` when Slurm runs
+        one, `exit` when it ends; report a PENDING reason when it changes."""
+        if not self.pending or now < self.next_poll:
+            return
+        ids = set(self.pending)
+        try:
+            found = self.slurm.states(ids)
+            missing = ids - set(found)
+            if missing:
+                found.update(self.slurm.accounting(missing))
+            self.failures = 0
+        except SlurmError as e:
+            self.failures += 1
+            if self.failures in (1, 10) or self.failures % 100 == 0:
+                log.warning("cannot read Slurm's job states (%d tries): %s", self.failures, e)
+            self.next_poll = now + SLURM_POLL_MAX_S
+            return
+        changed = False
+        for slurm_id in ids:
+            att = self.pending[slurm_id]
+            info = found.get(slurm_id)
+            unknown = info is None
+            if unknown:
+                # neither slurmctld nor accounting knows it: gone with its exit status
+                info = {"state": "NODE_FAIL", "node": "", "exit_code": None, "signal": None,
+                        "reason": ""}
+                log.warning("job %s attempt %s: Slurm job %s is unknown to squeue and sacct",
+                            att.job_id, att.attempt, slurm_id)
+            state = info["state"]
+            if state in SLURM_STARTED and att.pid_info is None:
+                att.pid_info = {"pid": None, "slurm_job_id": slurm_id, "node": info["node"],
+                                "started_at": now_ms()}
+                write_json_atomic(att.file("pid"), att.pid_info)
+                att.started = True
+                changed = True
+            if state in SLURM_FINAL:
+                end = slurm_end(info, read_json(att.file("cancel")))
+                if unknown:
+                    end["message"] = (f"Slurm job {slurm_id} is known neither to squeue nor "
+                                      "to sacct (purged while the agent was away?); "
+                                      "retried as a new attempt")
+                write_json_atomic(att.file("exit"), end)
+                del self.pending[slurm_id]
+                changed = True
+            elif state == "PENDING" and info["reason"] != att.slurm_reason:
+                att.slurm_reason = info["reason"]
+                if self.report:
+                    self.report(att, info["reason"])
+                changed = True
+        self.poll_s = SLURM_POLL_MIN_S if changed else min(SLURM_POLL_MAX_S, self.poll_s * 2)
+        self.next_poll = now + self.poll_s
+        if changed:
+            self.wake()
+
+
+# ---------------------------------------------------------------------------------------
 # hooks of a running attempt: log tail, TensorBoard, checkpoints
 # ---------------------------------------------------------------------------------------
 
@@ -1667,9 +2160,16 @@ class Reporter:
                 "signal": exit_info.get("signal"), "failure_kind": kind, "message": message}
 
     def running(self, att):
-        self.outbox.append("job", self.job_record(att, "RUNNING"),
-                           att={"key": att.key, "running": True})
+        rec = self.job_record(att, "RUNNING")
+        if att.slurm_id is not None:
+            rec["slurm_job_id"] = att.slurm_id
+        self.outbox.append("job", rec, att={"key": att.key, "running": True})
         att.running_reported = True
+
+    def queued_in_slurm(self, att, reason):
+        """Slurm holds the job PENDING (and why): the server shows it queued in Slurm."""
+        self.outbox.append("job", dict(self.job_record(att, "PENDING", message=reason),
+                                       slurm_job_id=att.slurm_id))
 
     def final(self, att, kind, message, exit_info):
         rec = self.job_record(att, "EXITED", exit_info, kind, message)
@@ -1697,7 +2197,7 @@ class Runner(Worker):
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
                  hook_interval_s=HOOK_INTERVAL_S, secrets=(),
                  backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=DEFAULT_RETENTION_DAYS,
-                 ckpt_interval_s=CKPT_INTERVAL_S, docker=None):
+                 ckpt_interval_s=CKPT_INTERVAL_S, docker=None, slurm=None):
         super().__init__()
         self.docker = docker or Docker(socket.gethostname())
         self.jobs_dir = os.path.join(agent_dir, "jobs")
@@ -1710,8 +2210,13 @@ class Runner(Worker):
         self.secrets = tuple(s for s in secrets if s)
         self.inherited_env = inherited_environment(self.secrets)   # read once: it is fixed
         self.retention_days = retention_days
-        self.launcher = Launcher(kill_grace_s, self.wake,
-                                 os.path.join(self.jobs_dir, "shim.err"))
+        self.slurm = slurm                 # a Slurm: every start is an sbatch (--runner slurm)
+        if slurm is not None:
+            self.launcher = SlurmLauncher(slurm, kill_grace_s, self.wake)
+            self.launcher.report = self.reporter.queued_in_slurm
+        else:
+            self.launcher = Launcher(kill_grace_s, self.wake,
+                                     os.path.join(self.jobs_dir, "shim.err"))
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
         self.view = {}                     # key -> facts of an attempt not finally reported
@@ -1743,6 +2248,8 @@ class Runner(Worker):
                 continue
             att = self._new_attempt(job_id, attempt, path)
             att.load_state(st)
+            if self.slurm is not None:
+                self.launcher.adopt(att)
             self.active[key] = att
             log.info("re-adopting job %s attempt %s (log offset %d, line %d)",
                      job_id, attempt, att.log.offset, att.log.line_no)
@@ -1814,6 +2321,9 @@ class Runner(Worker):
         self._run_commands()
         now = time.monotonic()
         due = now + IDLE_WAKE_S
+        if self.slurm is not None:
+            self.launcher.poll(now)
+            due = min(due, self.launcher.due(now))
         for key, att in list(self.active.items()):
             try:
                 due = min(due, self._tick_attempt(att))
@@ -1865,6 +2375,7 @@ class Runner(Worker):
             info = att.pid_info or {}
             view[key] = {"job_id": att.job_id, "attempt": att.attempt, "run_id": att.run_id,
                          "pid": info.get("pid"), "create_time": info.get("create_time"),
+                         "slurm_job_id": att.slurm_id,
                          "gpus": list(att.gpus), "working_dir": att.working_dir}
         with self.lock:
             self.view = view
@@ -1892,7 +2403,9 @@ class Runner(Worker):
                 if not os.path.exists(need):
                     raise ValueError(f"{need} does not exist on this host (deleted or moved?); "
                                      "nothing to run against")
-            if image:
+            if self.slurm is not None:
+                spec["exec"] = self.slurm.exec_spec(msg, env, path)
+            elif image:
                 spec["exec"] = self.docker.exec_spec(msg, env, image)
                 spec["container"] = self.docker.name(job_id, attempt)
             else:
@@ -2623,12 +3136,12 @@ class TBTailer:
 # ---------------------------------------------------------------------------------------
 
 class GpuProbe:
-    def __init__(self, fake_gpus=0, node=None):
+    def __init__(self, fake_gpus=0, node=None, nvml=True):
         self.fake = int(fake_gpus)
         self.node = node or socket.gethostname()
         self.nvml = None
         self.handles = []
-        if self.fake:
+        if self.fake or not nvml:
             return
         try:
             import pynvml
@@ -2896,10 +3409,16 @@ class Connection(Worker):
             "Authorization": f"Bearer {self.config.token}"})
         if self._stop.is_set():
             return
-        self._send({"type": "hello", "node": self.config.name, "epoch": self.outbox.epoch,
-                    "version": VERSION, "hostname": socket.gethostname(),
-                    "cpu_slots": self.config.cpu_slots, "fake": self.probe.fake > 0,
-                    "gpus": self.probe.facts()})
+        hello = {"type": "hello", "node": self.config.name, "epoch": self.outbox.epoch,
+                 "version": VERSION, "hostname": socket.gethostname(),
+                 "cpu_slots": self.config.cpu_slots, "fake": self.probe.fake > 0,
+                 "gpus": self.probe.facts()}
+        if self.runner.slurm is not None:
+            # slots are the jobs it may hold in Slurm; Slurm places them (docs/slurm.md)
+            slurm = self.runner.slurm
+            hello.update(runner="slurm", cpu_slots=slurm.max_jobs, gpus=[],
+                         slurm=dict(slurm.offers(), max_jobs=slurm.max_jobs))
+        self._send(hello)
         deadline = time.monotonic() + self.ack_timeout_s
         welcome = None
         while welcome is None:
@@ -3070,11 +3589,21 @@ class Agent:
             http = "http" + http[2:]
         docker = Docker(config.name, binary=config.docker, extra_args=config.docker_args,
                         default_image=config.default_image)
+        slurm = None
+        if config.runner == "slurm":
+            slurm = Slurm(config.name, partition=config.slurm_partition,
+                          account=config.slurm_account, qos=config.slurm_qos,
+                          time_limit=config.slurm_time_limit, sbatch_args=config.sbatch_args,
+                          max_jobs=config.slurm_max_jobs)
         self.runner = Runner(config.agent_dir, self.outbox, kill_grace_s=kill_grace_s,
                              server_url=http.rstrip("/"), secrets=(config.token,),
                              backlog_max_bytes=int(config.backlog_mb * 2**20),
-                             retention_days=config.job_retention_days, docker=docker)
-        self.probe = GpuProbe(config.fake_gpus, config.name)
+                             retention_days=config.job_retention_days, docker=docker,
+                             slurm=slurm)
+        # A Slurm agent's GPUs are the cluster's: the login node's own are not slots, and
+        # a job's GPU metrics come from the job (docs/slurm.md)
+        self.probe = GpuProbe(0 if slurm else config.fake_gpus, config.name,
+                              nvml=slurm is None)
         self.stats = StatsReporter(self.outbox, self.runner, self.probe, config.home,
                                    interval=config.stats_interval_s)
         self.connection = Connection(config, self.outbox, self.runner, self.probe)

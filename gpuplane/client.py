@@ -590,14 +590,21 @@ def placement_warning(job, nodes):
     if not nodes:
         return (f"no node has connected yet; job {job['id']} waits for an agent with "
                 f"{want} GPU{'s' if want != 1 else ''} (see `gpuplane status`)")
-    largest = max(nodes, key=lambda n: len(n.get("gpus") or []))
-    have = len(largest.get("gpus") or [])
+    largest = max(nodes, key=_gpu_capacity)
+    have = _gpu_capacity(largest)
     if have >= want:
         return None
     return (f"job {job['id']} needs {want} GPU{'s' if want != 1 else ''} on one node, and "
             f"the largest node ({largest.get('name')}) has {have}; it waits until such a "
             f"node connects. Cancel it (`gpuplane job cancel {job['id']}`) and submit with "
             f"-g {have}" + (" or --cpu-only" if have == 0 else "") + ", or add a bigger node")
+
+
+def _gpu_capacity(node):
+    """GPUs one job can have on a node: its cards, or a Slurm agent's largest node."""
+    if node.get("runner") == "slurm":
+        return int((node.get("slurm") or {}).get("max_gpus") or 0)
+    return len(node.get("gpus") or [])
 
 
 def quote(part):

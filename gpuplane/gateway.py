@@ -107,6 +107,11 @@ class Gateway:
                 "gpus": job["gpu_indices"] or [], "cpu_only": job["cpu_only"],
                 "tb_dir": job["tb_dir"], "watch_dir": job["watch_dir"],
                 "image": job.get("image"),
+                # what a Slurm agent asks sbatch for (docs/slurm.md); a local one runs
+                # on the cards in `gpus`
+                "gpu_count": 0 if job["cpu_only"] else job["gpus"],
+                "cpus": job.get("cpus"), "mem_mb": job.get("mem_mb"),
+                "time_limit_min": job.get("time_limit_min"),
                 "server_url": self.server_url(), "ingest_token": ingest_token,
                 # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
                 "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]
@@ -229,6 +234,12 @@ class Gateway:
         if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool)
                                   or not 0 <= slots <= 4096):
             raise _protocol("'cpu_slots' must be an integer from 0 to 4096")
+        if msg.get("runner") not in (None, "process", "slurm"):
+            raise _protocol("'runner' must be \"process\" or \"slurm\"")
+        if msg.get("slurm") is not None and (not isinstance(msg["slurm"], dict)
+                                             or len(json.dumps(msg["slurm"])) > 64 * 1024):
+            raise _protocol("'slurm' must be an object (what the partition offers) of at "
+                            "most 64 KiB")
         for name in ("hostname", "version"):
             if msg.get(name) is not None and (not isinstance(msg[name], str)
                                               or len(msg[name]) > 1000):
@@ -373,7 +384,14 @@ class Gateway:
         if kind == "job":
             job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
             if rec["state"] == states.RUNNING:
-                self.lifecycle.started(job_id, attempt, ts, t=t)
+                self.lifecycle.started(job_id, attempt, ts, t=t,
+                                       slurm_job_id=_slurm_id(rec.get("slurm_job_id")))
+                return False
+            if rec["state"] == states.PENDING:      # queued in Slurm (docs/slurm.md)
+                reason = rec.get("message")
+                self.lifecycle.waiting_in_slurm(
+                    job_id, attempt, _slurm_id(rec.get("slurm_job_id")),
+                    str(reason)[:500] if reason else None, t=t)
                 return False
             if rec["state"] == states.EXITED:
                 code = rec.get("exit_code")
@@ -486,6 +504,16 @@ class Gateway:
                     commands.append(cancel_message(job_id, attempt))
             self.lifecycle.node_synced(node, t=t)
         return commands
+
+
+def _slurm_id(v):
+    """A Slurm job id as the agent reports it ("123", "123_4" for an array task)."""
+    if v is None:
+        return None
+    v = str(v)
+    if not v or len(v) > 64 or not all(c.isdigit() or c in "_+" for c in v):
+        raise ValueError(f"{v[:70]!r} is not a Slurm job id")
+    return v
 
 
 def cancel_message(job_id, attempt):

@@ -166,7 +166,8 @@ class Lifecycle:
             _, secret = tokens.add(t.conn, f"run {run_id}", "ingest", run_id=run_id)
             jobs.set_dispatched(t.conn, job_id, attempt, node, gpu_indices, run_id)
             job = jobs.fetch(t.conn, job_id)
-            where = "CPU slot" if job["cpu_only"] else f"GPUs {gpu_indices}"
+            where = ("CPU slot" if job["cpu_only"] else f"GPUs {gpu_indices}" if gpu_indices
+                     else f"{job['gpus']} GPUs, placed by Slurm")
             self._event(t, DISPATCHED, f"job {job_id} attempt {attempt} sent to {node} "
                         f"({where})", job=job, wake=False)
             # If this send is lost, the job stays DISPATCHED and the agent's next sync
@@ -175,10 +176,23 @@ class Lifecycle:
                 t.commands.append(lambda: self.agents.start(job, secret))
         return job
 
-    def started(self, job_id, attempt, ts=None, t=None):
+    def waiting_in_slurm(self, job_id, attempt, slurm_job_id, reason, t=None):
+        """A Slurm agent submitted the attempt and Slurm holds it PENDING (`reason` is
+        Slurm's). The job stays DISPATCHED, its slot held; not a transition, so no event."""
+        with self._tx(t) as t:
+            if slurm_job_id:
+                runs.set_slurm_job_id(t.conn, job_id, attempt, slurm_job_id)
+            if reason:
+                jobs.set_waiting_in_slurm(t.conn, job_id, attempt,
+                                          f"queued in Slurm (job {slurm_job_id}): {reason}")
+            t.publish = True
+
+    def started(self, job_id, attempt, ts=None, t=None, slurm_job_id=None):
         """The agent started the attempt. Returns whether the job became RUNNING."""
         ts = ts or now_ms()
         with self._tx(t) as t:
+            if slurm_job_id:
+                runs.set_slurm_job_id(t.conn, job_id, attempt, slurm_job_id)
             run = runs.for_attempt(t.conn, job_id, attempt)
             if run:
                 runs.mark_running(t.conn, run["id"], ts)
@@ -194,7 +208,7 @@ class Lifecycle:
                  ts=None, t=None):
         """An attempt ended. Returns the job's new state, or None for a stale attempt.
 
-        No failure: SUCCEEDED. OOM, EXIT_CODE, DISPATCH_FAILED: FAILED, final. CANCELLED,
+        No failure: SUCCEEDED. OOM, EXIT_CODE, DISPATCH_FAILED, TIMEOUT: FAILED, final. CANCELLED,
         or any failure of a job whose cancel was asked for: CANCELLED. Anything else (the
         node or the shim was lost): QUEUED again while attempts remain (RETRIED), else
         FAILED."""

@@ -31,6 +31,7 @@ class Scheduler(Worker):
         self.cfg = cfg
         self.is_connected = is_connected or (lambda node: True)
         self._nodes_seen = None     # the nodes as the last pass saw them (schedule)
+        self._slurm = set()         # nodes whose agent submits to Slurm (docs/slurm.md)
 
     def start(self):
         # A new server process holds no agent connection yet, whatever the database says
@@ -62,8 +63,15 @@ class Scheduler(Worker):
         free = {}
         all_nodes = nodes.list_nodes(self.db) if all_nodes is None else all_nodes
         in_use = jobs.slots_in_use(self.db)
+        self._slurm = {n["name"] for n in all_nodes if n.get("runner") == "slurm"}
         for n in all_nodes:
             if n["state"] != "connected" or not n["synced"] or not self.is_connected(n["name"]):
+                continue
+            if n["name"] in self._slurm:
+                # A Slurm agent's slots are the jobs it may hold in Slurm, of any shape up
+                # to the most GPUs one node of its partition has; Slurm picks the cards.
+                left = _slurm_slots(n) - sum(1 for node, _, _ in in_use if node == n["name"])
+                free[n["name"]] = (list(range(_capacity(n))) if left > 0 else [], max(left, 0))
                 continue
             gpus = {g["index"] for g in n["gpus"] if isinstance(g.get("index"), int)}
             cpu = n["cpu_slots"]
@@ -81,7 +89,7 @@ class Scheduler(Worker):
         # look as at the last pass, a job that waits only for a slot, cannot fit now and
         # has its reason keeps it, and the queue is read without those (most of a long
         # queue, at every pass).
-        nodes_seen = tuple((n["name"], n["state"], len(n["gpus"])) for n in all_nodes)
+        nodes_seen = tuple((n["name"], n["state"], _capacity(n)) for n in all_nodes)
         same = nodes_seen == self._nodes_seen
         queue = jobs.placement_queue(self.db, (most_gpus, cpu_room) if same else None)
         reasons = {}        # job id -> a new pending_reason, written at the end in one go
@@ -106,12 +114,16 @@ class Scheduler(Worker):
             if node is None:
                 self._say(reasons, job, self._why(why, job, all_nodes))
                 continue
-            assigned = self.lifecycle.assign(job["id"], node, gpu_indices)
+            slurm = node in self._slurm
+            assigned = self.lifecycle.assign(job["id"], node, [] if slurm else gpu_indices)
             if assigned is None:
                 continue
             gpus_left, cpu_left = free[node]
-            free[node] = ([i for i in gpus_left if i not in gpu_indices],
-                          cpu_left - (1 if job["cpu_only"] else 0))
+            if slurm:
+                free[node] = (gpus_left if cpu_left > 1 else [], cpu_left - 1)
+            else:
+                free[node] = ([i for i in gpus_left if i not in gpu_indices],
+                              cpu_left - (1 if job["cpu_only"] else 0))
             most_gpus, cpu_room = self._room(free)
             log.info("job %d attempt %d → %s %s", job["id"], assigned["attempt"], node,
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
@@ -186,15 +198,27 @@ class Scheduler(Worker):
             if not any(n["state"] == "connected" for n in all_nodes):
                 return "no node is connected"
             return "waiting for a free CPU slot"
-        largest = max(all_nodes, key=lambda n: len(n["gpus"]))
-        if len(largest["gpus"]) < job["gpus"]:
+        largest = max(all_nodes, key=_capacity)
+        if _capacity(largest) < job["gpus"]:
             return (f"needs {_gpus(job['gpus'])} on one node; the largest node "
-                    f"({largest['name']}) has {len(largest['gpus'])}. Lower --gpus or add a "
+                    f"({largest['name']}) has {_capacity(largest)}. Lower --gpus or add a "
                     "bigger node")
-        if not any(n["state"] == "connected" and len(n["gpus"]) >= job["gpus"]
+        if not any(n["state"] == "connected" and _capacity(n) >= job["gpus"]
                    for n in all_nodes):
             return f"no connected node has {_gpus(job['gpus'])}; waiting for one to come back"
         return f"waiting for {_gpus(job['gpus'], 'free ')} on one node"
+
+
+def _capacity(node):
+    """The most GPUs one job can have on this node: its cards, or for a Slurm agent the
+    most one node of its partition offers (sinfo)."""
+    if node.get("runner") == "slurm":
+        return int((node.get("slurm") or {}).get("max_gpus") or 0)
+    return len(node["gpus"])
+
+
+def _slurm_slots(node):
+    return int((node.get("slurm") or {}).get("max_jobs") or node["cpu_slots"] or 0)
 
 
 def _gpus(n, adjective=""):

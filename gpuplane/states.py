@@ -3,7 +3,7 @@
 A job is what is scheduled: QUEUED → DISPATCHED (a node holds its slots) → RUNNING →
 SUCCEEDED, FAILED or CANCELLED; a lost attempt may put it back to QUEUED.
 An attempt is one try of a job on an agent, which reports it RUNNING, then EXITED with
-how it ended (docs/protocol.md).
+how it ended (docs/protocol.md); a Slurm agent reports it PENDING while Slurm holds it.
 A run is one attempt's training semantics: STARTING → RUNNING → SUCCEEDED, FAILED or
 CANCELLED.
 
@@ -16,6 +16,7 @@ DISPATCHED = "DISPATCHED"
 STARTING = "STARTING"
 RUNNING = "RUNNING"
 EXITED = "EXITED"
+PENDING = "PENDING"         # an attempt a Slurm agent submitted and Slurm holds (docs/slurm.md)
 SUCCEEDED = "SUCCEEDED"
 FAILED = "FAILED"
 CANCELLED = "CANCELLED"
@@ -26,7 +27,7 @@ JOB_STATES = (QUEUED, DISPATCHED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 JOB_ACTIVE = (DISPATCHED, RUNNING)            # holding slots on a node
 JOB_FINAL = (SUCCEEDED, FAILED, CANCELLED)
 
-ATTEMPT_STATES = (RUNNING, EXITED)            # what an agent reports of an attempt
+ATTEMPT_STATES = (RUNNING, EXITED, PENDING)   # what an agent reports of an attempt
 
 RUN_STATES = (STARTING, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 RUN_ACTIVE = (STARTING, RUNNING)

@@ -96,6 +96,8 @@ def test_a_v7_database_gets_a_time_on_every_rollup_bucket(tmp_path):
     v7_cols = "key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last"
     for table, cols in (("runs", "*"), ("metric_keys", "*"), ("points", "*"),
                         ("metric_rollup", "*"), ("rollups", v7_cols)):
+        if cols == "*":     # the v7 table's columns: later migrations add some
+            cols = ", ".join(r[1] for r in conn.execute(f"PRAGMA main.table_info({table})"))
         conn.execute(f"INSERT INTO main.{table} {'' if cols == '*' else f'({cols})'}"
                      f" SELECT {cols} FROM ref.{table}")
     conn.execute("DETACH ref")
@@ -141,3 +143,22 @@ def test_a_v9_database_opens_with_sweeps(tmp_path):
     with db.tx() as c:
         sweep_id = sweeps.create(c, "s", "default", "", {"parallel": 1}, [{"lr": 0.1}])
     assert [t["params"] for t in sweeps.trials(db, sweep_id)] == [{"lr": 0.1}]
+
+
+def test_a_v10_database_opens_with_the_slurm_columns(tmp_path):
+    """v11 (docs/slurm.md): nodes are local ('process') runners with no partition, attempts
+    have no Slurm job, jobs ask nothing of Slurm, and the rows are as they were."""
+    path = tmp_path / "v10.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:10]) + "\nPRAGMA user_version=10;\nCOMMIT;")
+    for table in ("nodes", "jobs", "runs"):
+        conn.execute(ROWS[table])
+    conn.close()
+    db = Database(path)
+    assert db.query_one("PRAGMA user_version")[0] == len(MIGRATIONS)
+    assert [tuple(r) for r in db.query("SELECT name, runner, slurm, cursor FROM nodes")] == \
+        [("n1", "process", None, 7)]
+    assert [tuple(r) for r in db.query(
+        "SELECT name, state, cpus, mem_mb, time_limit_min FROM jobs ORDER BY id")] == \
+        [("train", "RUNNING", None, None, None), ("old", "SUCCEEDED", None, None, None)]
+    assert [r[0] for r in db.query("SELECT slurm_job_id FROM runs")] == [None, None]

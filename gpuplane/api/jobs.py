@@ -110,6 +110,11 @@ def parse_job_spec(data):
         "held": field(data, "held", bool, False),
         "eval_command": eval_command,
         "image": _image(data),
+        # asked of Slurm by a Slurm agent (docs/slurm.md); a local agent ignores them
+        "cpus": field(data, "cpus", int, None, min=1, max=4096, nullable=True),
+        "mem_mb": field(data, "mem_mb", int, None, min=1, max=2**31, nullable=True),
+        "time_limit_min": field(data, "time_limit_min", int, None, min=1, max=525600,
+                                nullable=True),
     }
 
 
@@ -170,9 +175,16 @@ def list_jobs():
 @bp.get("/jobs/<int:job_id>")
 @requires("read")
 def show(job_id):
-    job = _job_or_404(job_id)
-    job["attempts"] = attempts(current_db(), job_id)
-    return job_view(job)
+    return job_view(with_attempts(current_db(), _job_or_404(job_id)))
+
+
+def with_attempts(db, job):
+    """The job with its attempts and its current attempt's Slurm job id (docs/slurm.md),
+    as `job show` and the dashboard see it."""
+    job = dict(job, attempts=attempts(db, job["id"]))
+    job["slurm_job_id"] = next((a["slurm_job_id"] for a in job["attempts"]
+                                if a["attempt"] == job["attempt"]), None)
+    return job
 
 
 def attempts(db, job_id):
@@ -180,6 +192,7 @@ def attempts(db, job_id):
     return [
         {"attempt": r["attempt"], "run_id": r["id"], "state": r["state"], "node": r["node"],
          "gpu_indices": r["gpu_indices"], "exit_code": r["exit_code"],
+         "slurm_job_id": r.get("slurm_job_id"),
          "failure_kind": r["failure_kind"], "started_at": r["started_at"],
          "ended_at": r["ended_at"]}
         for r in runs.for_job(db, job_id)]

@@ -25,7 +25,7 @@ def node_views(db, active=None):
         holder = {}
         cpu_jobs = []
         for j in by_node.get(n["name"], ()):
-            if j["cpu_only"]:
+            if j["cpu_only"] or n.get("runner") == "slurm":    # a Slurm node: every job
                 cpu_jobs.append(j["id"])
             for i in j["gpu_indices"] or []:
                 holder[i] = j["id"]
@@ -39,7 +39,9 @@ def node_views(db, active=None):
                     "synced": n["synced"], "last_seen": n["last_seen"], "fake": n["fake"],
                     "version": n["version"], "cpu_slots": n["cpu_slots"], "gpus": gpus,
                     "cpu_jobs": cpu_jobs,
-                    "host": raw.get("host") if isinstance(raw.get("host"), dict) else None})
+                    "host": raw.get("host") if isinstance(raw.get("host"), dict) else None,
+                    # a Slurm agent: what its partition offers, its job slots (docs/slurm.md)
+                    "runner": n.get("runner") or "process", "slurm": n.get("slurm")})
     return out
 
 

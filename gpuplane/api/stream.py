@@ -24,7 +24,7 @@ from ..auth import current_token, requires
 from ..db import events, jobs, logs, metrics, runs
 from ..errors import BadRequest
 from . import current_db
-from .jobs import REDACTED, _gone_check, attempts
+from .jobs import REDACTED, _gone_check, with_attempts
 from .nodes import status_view
 
 bp = Blueprint("stream", __name__, url_prefix="/api/v1")
@@ -142,7 +142,7 @@ def _poll(db, name, arg, seen, reveal_env=False):
         data = status_view(db)
     elif name == "job":
         job = jobs.get(db, arg)
-        data = job and dict(job, attempts=attempts(db, arg))
+        data = job and with_attempts(db, job)
         if data and not reveal_env:
             data["env"] = {k: REDACTED for k in data.get("env") or {}}
     else:  # run

@@ -59,6 +59,14 @@ def add_parser(subparsers):
     p.add_argument("--image", metavar="IMG",
                    help="run the job in a container of this image (Docker on the agent's "
                         "host; docs/docker.md)")
+    p.add_argument("--cpus", type=positive_int, metavar="N",
+                   help="CPUs per task, for a Slurm agent (sbatch --cpus-per-task; "
+                        "docs/slurm.md); local agents ignore it")
+    p.add_argument("--mem", type=memory_mb, metavar="SIZE", dest="mem_mb",
+                   help="memory, for a Slurm agent (sbatch --mem): 512M, 16G")
+    p.add_argument("--time", type=minutes, metavar="T", dest="time_limit_min",
+                   help="time limit, for a Slurm agent (sbatch --time): minutes, H:MM or "
+                        "D-HH:MM; past it the job ends TIMEOUT")
     p.add_argument("--eval-command", metavar="CMD",
                    help="how to evaluate one of its checkpoints (run through /bin/sh -c by "
                         "`gpuplane ckpt evaluate ID`, with $GPUCTL_CHECKPOINT_PATH set)")
@@ -151,9 +159,40 @@ def job_body(args):
         "held": True if args.hold else None,
         "image": args.image,
         "eval_command": args.eval_command,
+        "cpus": args.cpus or None,
+        "mem_mb": args.mem_mb,
+        "time_limit_min": args.time_limit_min,
     }
     working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
     return command, working_dir, fields
+
+
+def memory_mb(text):
+    """`--mem 16G` -> 16384 (MiB, as sbatch counts); a bare number is MiB."""
+    import re
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 16G, got {text!r}")
+    n, unit = int(m.group(1)), m.group(2).upper()
+    return max(1, {"K": n // 1024, "": n, "M": n, "G": n * 1024, "T": n * 1024 ** 2}[unit])
+
+
+def minutes(text):
+    """`--time 90`, `1:30` (H:MM), `1:30:00`, `2-00:00` (D-HH:MM) -> whole minutes, rounded
+    up (Slurm's limits are whole minutes)."""
+    import re
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected minutes (90), H:MM (1:30) or D-HH:MM, "
+                                         f"got {text!r}")
+    days, first, second, third = (int(g) if g else 0 for g in m.groups())
+    if m.group(1) or m.group(3):        # D-HH..., H:MM, H:MM:SS
+        total = days * 1440 + first * 60 + second + (1 if third else 0)
+    else:
+        total = first
+    if total <= 0:
+        raise argparse.ArgumentTypeError(f"a time limit must be at least a minute, got {text!r}")
+    return total
 
 
 def _default_name(cmd):
@@ -239,10 +278,16 @@ def cmd_job_show(args):
          or None),
         ("env", " ".join(f"{k}={v}" for k, v in (job.get("env") or {}).items()) or None),
         ("image", job.get("image")),
+        ("asks Slurm", ", ".join(x for x in (
+            f"{job['cpus']} CPUs" if job.get("cpus") else None,
+            f"{job['mem_mb']} MiB" if job.get("mem_mb") else None,
+            f"{job['time_limit_min']} min" if job.get("time_limit_min") else None) if x)
+         or None),
         ("tensorboard", job.get("tb_dir")),
         ("watch", job.get("watch_dir")),
         ("node", job.get("node")),
         ("GPUs", gpu_list(job.get("gpu_indices"))),
+        ("slurm job", job.get("slurm_job_id")),
         ("run", job.get("run_id")),
         ("submitted", _when(job.get("created_at"))),
         ("started", _when(job.get("started_at"))),
@@ -264,13 +309,15 @@ def cmd_job_show(args):
     attempts = job.get("attempts") or []
     if attempts:
         print()
+        slurm = any(a.get("slurm_job_id") for a in attempts)
         print_table([[a.get("attempt"), a.get("run_id"), a.get("state"), a.get("node"),
-                      gpu_list(a.get("gpu_indices")), a.get("exit_code"),
-                      a.get("failure_kind"), clock(a.get("started_at")),
-                      duration(a.get("started_at"), a.get("ended_at"))]
+                      gpu_list(a.get("gpu_indices"))]
+                     + ([a.get("slurm_job_id")] if slurm else [])
+                     + [a.get("exit_code"), a.get("failure_kind"), clock(a.get("started_at")),
+                        duration(a.get("started_at"), a.get("ended_at"))]
                      for a in attempts],
-                    ["ATTEMPT", "RUN", "STATE", "NODE", "GPUS", "EXIT", "FAILURE",
-                     "STARTED", "RAN"])
+                    ["ATTEMPT", "RUN", "STATE", "NODE", "GPUS"] + (["SLURM"] if slurm else [])
+                    + ["EXIT", "FAILURE", "STARTED", "RAN"])
     from .events import print_recent
     print_recent(client, job=args.job_id)
     return EXIT_OK

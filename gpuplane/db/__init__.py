@@ -406,9 +406,21 @@ ALTER TABLE jobs ADD COLUMN sweep_id INTEGER;
 ALTER TABLE jobs ADD COLUMN stop_reason TEXT;
 """
 
+# Slurm (docs/slurm.md): a node's runner and what its partition offers (sinfo, json); the
+# Slurm job id of an attempt; what a job asks of Slurm besides GPUs (CPUs per task, memory,
+# time limit; a local agent ignores them).
+SCHEMA_V11_SLURM = """
+ALTER TABLE nodes ADD COLUMN runner TEXT NOT NULL DEFAULT 'process';
+ALTER TABLE nodes ADD COLUMN slurm TEXT;
+ALTER TABLE runs ADD COLUMN slurm_job_id TEXT;
+ALTER TABLE jobs ADD COLUMN cpus INTEGER;
+ALTER TABLE jobs ADD COLUMN mem_mb INTEGER;
+ALTER TABLE jobs ADD COLUMN time_limit_min INTEGER;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
-              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS]
+              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM]
 
 
 _databases = weakref.WeakSet()

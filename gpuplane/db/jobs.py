@@ -10,7 +10,8 @@ from . import dumps, loads, projects
 
 ACTIVE = JOB_ACTIVE
 FINAL = JOB_FINAL
-FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED")  # never retried automatically
+# never retried automatically (TIMEOUT: a Slurm job past its time limit, docs/slurm.md)
+FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED", "TIMEOUT")
 
 
 def to_dict(row):
@@ -112,8 +113,8 @@ def insert(conn, spec, ts):
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
         " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
-        " created_at, queued_at)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " created_at, queued_at, cpus, mem_mb, time_limit_min)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -122,7 +123,8 @@ def insert(conn, spec, ts):
          int(bool(spec.get("held"))),
          dumps(spec["eval_command"]) if spec.get("eval_command") else None,
          spec.get("image"), dumps(spec["config"]) if spec.get("config") else None,
-         spec.get("sweep_id"), ts, ts))
+         spec.get("sweep_id"), ts, ts, spec.get("cpus"), spec.get("mem_mb"),
+         spec.get("time_limit_min")))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 
@@ -136,8 +138,14 @@ def set_dispatched(conn, job_id, attempt, node, gpu_indices, run_id):
 
 
 def set_running(conn, job_id, ts):
-    conn.execute("UPDATE jobs SET state = 'RUNNING', started_at = ? WHERE id = ?",
-                 (ts, job_id))
+    conn.execute("UPDATE jobs SET state = 'RUNNING', started_at = ?, pending_reason = NULL"
+                 " WHERE id = ?", (ts, job_id))
+
+
+def set_waiting_in_slurm(conn, job_id, attempt, reason):
+    """A dispatched attempt that Slurm holds PENDING: why, for people (docs/slurm.md)."""
+    conn.execute("UPDATE jobs SET pending_reason = ? WHERE id = ? AND attempt = ?"
+                 " AND state = 'DISPATCHED'", (reason, job_id, attempt))
 
 
 def set_requeued(conn, job_id, failure_kind, exit_code, message):

@@ -10,6 +10,7 @@ def to_dict(row):
     d["stats"] = loads(d["stats"])
     d["fake"] = bool(d["fake"])
     d["synced"] = bool(d["synced"])
+    d["slurm"] = loads(d.get("slurm"))
     return d
 
 
@@ -21,15 +22,19 @@ def hello(c, msg):
     row = c.execute("SELECT epoch, cursor FROM nodes WHERE name = ?", (name,)).fetchone()
     cursor = row["cursor"] if row and row["epoch"] == msg["epoch"] else 0
     c.execute(
-        "INSERT INTO nodes (name, hostname, version, fake, cpu_slots, gpus, state, synced,"
-        " epoch, cursor, connected_at, last_seen) VALUES (?,?,?,?,?,?,'connected',0,?,?,?,?)"
+        "INSERT INTO nodes (name, hostname, version, fake, cpu_slots, gpus, runner, slurm,"
+        " state, synced, epoch, cursor, connected_at, last_seen)"
+        " VALUES (?,?,?,?,?,?,?,?,'connected',0,?,?,?,?)"
         " ON CONFLICT (name) DO UPDATE SET hostname = excluded.hostname,"
         " version = excluded.version, fake = excluded.fake, cpu_slots = excluded.cpu_slots,"
-        " gpus = excluded.gpus, state = 'connected', synced = 0, epoch = excluded.epoch,"
+        " gpus = excluded.gpus, runner = excluded.runner, slurm = excluded.slurm,"
+        " state = 'connected', synced = 0, epoch = excluded.epoch,"
         " cursor = excluded.cursor, connected_at = excluded.connected_at,"
         " disconnected_at = NULL, last_seen = excluded.last_seen",
         (name, msg.get("hostname"), msg.get("version"), int(bool(msg.get("fake"))),
-         int(msg.get("cpu_slots") or 4), dumps(msg.get("gpus") or []), msg["epoch"],
+         int(msg.get("cpu_slots") or 4), dumps(msg.get("gpus") or []),
+         msg.get("runner") or "process",
+         dumps(msg["slurm"]) if msg.get("slurm") is not None else None, msg["epoch"],
          cursor, ts, ts))
     return cursor
 

@@ -58,6 +58,12 @@ def finish(conn, run_id, state, exit_code=None, failure_kind=None, ts=None):
         (state, exit_code, failure_kind, ts or now_ms(), run_id)).rowcount > 0
 
 
+def set_slurm_job_id(conn, job_id, attempt, slurm_job_id):
+    """The Slurm job an attempt became (docs/slurm.md)."""
+    conn.execute("UPDATE runs SET slurm_job_id = ? WHERE job_id = ? AND attempt = ?",
+                 (str(slurm_job_id), job_id, attempt))
+
+
 def mark_running(conn, run_id, ts=None):
     conn.execute("UPDATE runs SET state = 'RUNNING', started_at = COALESCE(started_at, ?)"
                  " WHERE id = ? AND state = 'STARTING'", (ts or now_ms(), run_id))

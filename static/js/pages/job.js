@@ -110,7 +110,9 @@ export async function render(root, [id]) {
       fact("Resources", job.cpu_only ? "CPU only" : `${job.gpus} GPU${job.gpus === 1 ? "" : "s"}${job.gpu_indices ? ` (node ${job.node}, GPU ${job.gpu_indices.join(", ")})` : ""}`),
       fact("Priority", String(job.priority)),
       fact("Attempt", `${job.attempt} of ${job.max_attempts}`),
-      fact("Waiting because", job.state === "QUEUED" ? job.pending_reason || "next when a slot frees" : null),
+      fact("Waiting because", job.state === "QUEUED" ? job.pending_reason || "next when a slot frees"
+        : job.state === "DISPATCHED" ? job.pending_reason : null),
+      fact("Slurm job", job.slurm_job_id),
       fact("Failure", job.failure_kind ? `${job.failure_kind}${job.exit_code !== null && job.exit_code !== undefined ? ` (exit ${job.exit_code})` : ""}${job.message ? ` — ${job.message}` : ""}` : null),
       fact("Submitted", fmtTime(job.created_at)),
       fact("Ran", job.started_at ? `${fmtTime(job.started_at)} · ${fmtDuration(job.started_at, job.ended_at)}` : null),
@@ -127,7 +129,7 @@ export async function render(root, [id]) {
         h("td", { class: "num", text: String(a.attempt) }),
         h("td", {}, a.run_id ? h("a", { href: `#/runs/${a.run_id}`, text: `run #${a.run_id}` }) : ""),
         h("td", {}, stateBadge(a.state)),
-        h("td", { text: `${a.node || ""}${a.gpu_indices && a.gpu_indices.length ? ` · GPU ${a.gpu_indices.join(", ")}` : ""}` }),
+        h("td", { text: `${a.node || ""}${a.gpu_indices && a.gpu_indices.length ? ` · GPU ${a.gpu_indices.join(", ")}` : ""}${a.slurm_job_id ? ` · Slurm job ${a.slurm_job_id}` : ""}` }),
         h("td", { text: a.failure_kind ? `${a.failure_kind}${a.exit_code !== null && a.exit_code !== undefined ? ` (exit ${a.exit_code})` : ""}${a.attempt === job.attempt && job.message ? ` — ${job.message}` : ""}` : (a.exit_code !== null && a.exit_code !== undefined ? `exit ${a.exit_code}` : "") }),
         h("td", { text: fmtTime(a.started_at) }),
         h("td", { text: fmtDuration(a.started_at, a.ended_at) })))))

@@ -1,0 +1,255 @@
+"""Jobs through GPUPlane to a real Slurm: a real server, a real agent with `--runner
+slurm` on a private single-node cluster (conftest.py), jobs submitted over REST.
+
+Slurm's time limits are whole minutes, checked every 30 s: the time-limit job is
+submitted by the first test and looked at by the last, so its minute and a half overlaps
+everything else in this module.
+"""
+import json
+import sys
+
+import pytest
+
+from procs import wait_for
+
+import agent as agent_mod
+
+FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def submit(server, tmp_path, command, **fields):
+    fields.setdefault("gpus", 0)
+    return server.api.submit(command, tmp_path, **fields)
+
+
+def lines(server, job_id):
+    return [ln["text"] for ln in server.api.get(f"/api/v1/jobs/{job_id}/logs?tail=5000",
+                                                expect=200)["lines"]]
+
+
+def wait_state(server, job_id, states, timeout=90):
+    return wait_for(lambda: (j := server.api.job(job_id))["state"] in states and j, timeout,
+                    interval=0.2, what=f"job {job_id} to reach {states}")
+
+
+def slurm_job(cluster, slurm_id):
+    """`scontrol show job` as a dict."""
+    out = cluster.run("scontrol", "show", "job", "-o", str(slurm_id)).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+@pytest.fixture(scope="module")
+def timeout_job(slurm_server, slurm_agent, tmp_path_factory):
+    wd = tmp_path_factory.mktemp("timeout")
+    return submit(slurm_server, wd, ["sleep", "600"], time_limit_min=1)["id"]
+
+
+def test_the_time_limit_job_starts_first(slurm_server, timeout_job):
+    # the first test so the minute runs under the others; the last one checks its end
+    job = wait_state(slurm_server, timeout_job, ("RUNNING",) + FINAL)
+    assert job["state"] == "RUNNING", job
+
+
+def test_node_offers_the_partition(slurm_server, slurm_agent, slurm_cluster):
+    node = slurm_agent.node()
+    assert node["runner"] == "slurm"
+    assert node["slurm"]["partition"] == slurm_cluster.partition
+    assert node["slurm"]["max_gpus"] == slurm_cluster.gpus
+    assert node["slurm"]["max_jobs"] == 8 and node["cpu_slots"] == 8
+    assert node["gpus"] == []
+
+
+def test_logs_exit_code_environment(slurm_server, slurm_agent, slurm_cluster, tmp_path):
+    script = ("echo hello from $(hostname); echo job=$GPUCTL_JOB_ID run=$GPUCTL_RUN_ID; "
+              "echo token=${GPUCTL_TOKEN:+set} server=$GPUCTL_SERVER; "
+              "env | grep -c '^SLURM_JOB_ID=' ; "
+              f"echo agent-token-leaked=$(env | grep -c '{slurm_server.token}'); "
+              "echo mine=$MY_SETTING; exit 3")
+    job = submit(slurm_server, tmp_path, script, env={"MY_SETTING": "x1"})
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "FAILED" and done["failure_kind"] == "EXIT_CODE", done
+    assert done["exit_code"] == 3
+    text = lines(slurm_server, job["id"])
+    assert text[0].startswith("hello from"), text
+    assert f"job={job['id']} run={done['run_id']}" in text
+    assert f"token=set server={slurm_server.url}" in text
+    assert "agent-token-leaked=0" in text and "mine=x1" in text
+    slurm_id = done["slurm_job_id"]
+    assert slurm_id and slurm_id.isdigit(), done
+    assert [a["slurm_job_id"] for a in done["attempts"]] == [slurm_id]
+    info = slurm_job(slurm_cluster, slurm_id)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0"
+    assert info["JobName"] == f"gpuplane-login1-{job['id']}-1"
+    assert info["WorkDir"] == str(tmp_path)
+
+    ok = submit(slurm_server, tmp_path, ["echo", "fine"])
+    assert wait_state(slurm_server, ok["id"], FINAL)["state"] == "SUCCEEDED"
+    assert lines(slurm_server, ok["id"]) == ["fine"]
+
+
+def test_two_gpus_resources_and_cli(slurm_server, slurm_agent, slurm_cluster, tmp_path):
+    job = submit(slurm_server, tmp_path, "echo cvd=$CUDA_VISIBLE_DEVICES gpus=$SLURM_JOB_GPUS"
+                 " cpus=$SLURM_CPUS_PER_TASK; sleep 1", gpus=2, cpus=3, mem_mb=300)
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "SUCCEEDED", done
+    (line,) = lines(slurm_server, job["id"])
+    cvd = line.split()[0].split("=")[1].split(",")
+    assert len(cvd) == 2 and all(c.isdigit() for c in cvd), line
+    assert line.endswith("cpus=3")
+    info = slurm_job(slurm_cluster, done["slurm_job_id"])
+    assert info["TresPerNode"] == "gres:gpu:2", info
+    assert "mem=300M" in info["TRES"] and "cpu=3" in info["TRES"], info["TRES"]
+    assert info["Nice"] == "5"          # the agent's --sbatch-arg
+    # `gpuplane job show` names the Slurm job
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "gpuplane", "job", "show", str(job["id"]),
+                          "--server", slurm_server.url], capture_output=True, text=True,
+                         env={"GPUCTL_TOKEN": slurm_server.token, "PATH": "/usr/bin:/bin",
+                              "HOME": str(tmp_path)}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"slurm job    {done['slurm_job_id']}" in out.stdout or \
+        done["slurm_job_id"] in out.stdout.split("slurm job", 1)[1].split("\n", 1)[0], out.stdout
+    assert "SLURM" in out.stdout
+
+
+def test_over_its_memory_is_oom(slurm_server, slurm_agent, tmp_path):
+    hog = "x = bytearray(400 * 1024 * 1024); import time; time.sleep(30)"
+    job = submit(slurm_server, tmp_path, [sys.executable, "-c", hog], mem_mb=60)
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "FAILED" and done["failure_kind"] == "OOM", done
+    assert "OUT_OF_MEMORY" in done["message"]
+
+
+def test_cancel_is_scancel(slurm_server, slurm_agent, slurm_cluster, tmp_path):
+    job = submit(slurm_server, tmp_path, "trap 'echo got TERM; exit 143' TERM; "
+                 "echo started; while true; do sleep 0.2; done")
+    wait_for(lambda: "started" in lines(slurm_server, job["id"]), 60, interval=0.2,
+             what="the job's first line")
+    slurm_server.api.post(f"/api/v1/jobs/{job['id']}/cancel", expect=200)
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "CANCELLED", done
+    assert wait_for(lambda: "got TERM" in lines(slurm_server, job["id"]), 10,
+                    what="the job's TERM line")
+    info = slurm_job(slurm_cluster, done["slurm_job_id"])
+    assert info["JobState"] in ("CANCELLED", "FAILED"), info
+
+
+def test_scancel_from_outside(slurm_server, slurm_agent, slurm_cluster, tmp_path):
+    job = submit(slurm_server, tmp_path, "echo up; sleep 300")
+    running = wait_state(slurm_server, job["id"], ("RUNNING",) + FINAL)
+    assert running["state"] == "RUNNING"
+    assert slurm_cluster.run("scancel", running["slurm_job_id"]).returncode == 0
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "CANCELLED" and done["failure_kind"] == "CANCELLED", done
+    assert "by someone else" in done["message"]
+
+
+def test_pending_with_slurms_reason(slurm_server, slurm_agent, slurm_cluster, tmp_path):
+    # more time than the partition allows: Slurm keeps it PENDING (PartitionTimeLimit)
+    job = submit(slurm_server, tmp_path, ["true"],
+                 time_limit_min=slurm_cluster.max_time_min + 60)
+    waiting = wait_for(lambda: (j := slurm_server.api.job(job["id"]))["pending_reason"]
+                       and "PartitionTimeLimit" in j["pending_reason"] and j, 60,
+                       interval=0.2, what="Slurm's reason on the job")
+    assert waiting["state"] == "DISPATCHED"
+    assert waiting["slurm_job_id"] in waiting["pending_reason"]
+    assert slurm_job(slurm_cluster, waiting["slurm_job_id"])["JobState"] == "PENDING"
+    slurm_server.api.post(f"/api/v1/jobs/{job['id']}/cancel", expect=200)
+    assert wait_state(slurm_server, job["id"], FINAL)["state"] == "CANCELLED"
+
+
+def test_sbatch_refusal_is_dispatch_failed(slurm_server, slurm_agent, tmp_path):
+    job = submit(slurm_server, tmp_path, ["true"], mem_mb=10**6)     # the node has 8000 MiB
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "FAILED" and done["failure_kind"] == "DISPATCH_FAILED", done
+    assert "sbatch refused the job" in done["message"]
+
+
+def test_checkpoints_and_sdk_inside_the_job(slurm_server, slurm_agent, tmp_path):
+    code = ("from gpuctl import run; import os\n"
+            "for step in (1, 2, 3): run.log({'train/loss': 1.0 / step}, step=step)\n"
+            "os.makedirs('ckpt', exist_ok=True)\n"
+            "open('ckpt/step_3.pt', 'wb').write(b'weights')\n")
+    job = submit(slurm_server, tmp_path, [sys.executable, "-c", code], watch_dir="ckpt")
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "SUCCEEDED", (done, lines(slurm_server, job["id"]))
+    run_id = done["run_id"]
+    keys = wait_for(lambda: {k["key"]: k for k in slurm_server.api.get(
+        f"/api/v1/runs/{run_id}/metrics", expect=200)["keys"]}.get("train/loss"), 30,
+        what="the SDK's points")
+    assert keys["count"] == 3
+    ckpts = wait_for(lambda: slurm_server.api.get(f"/api/v1/runs/{run_id}/checkpoints",
+                                                  expect=200)["checkpoints"], 30,
+                     what="the watched checkpoint")
+    assert [c["step"] for c in ckpts] == [3]
+
+
+def test_agent_killed_and_restarted_readopts(slurm_server, slurm_agent, slurm_cluster,
+                                             tmp_path):
+    gate = tmp_path / "gate"
+    script = (f"for i in $(seq 1 40); do echo line $i; done; "
+              f"while [ ! -e {gate} ]; do sleep 0.1; done; "
+              f"for i in $(seq 41 80); do echo line $i; done")
+    job = submit(slurm_server, tmp_path, script)
+    wait_for(lambda: len(lines(slurm_server, job["id"])) >= 40, 60, interval=0.2,
+             what="the first 40 lines")
+    before = slurm_server.api.job(job["id"])
+    slurm_agent.kill()
+    gate.touch()                # the job ends while no agent watches it
+    slurm_id = before["slurm_job_id"]
+    wait_for(lambda: slurm_job(slurm_cluster, slurm_id).get("JobState") == "COMPLETED", 60,
+             interval=0.2, what="Slurm to finish the job")
+    slurm_agent.start()
+    done = wait_state(slurm_server, job["id"], FINAL)
+    assert done["state"] == "SUCCEEDED", done
+    assert done["attempt"] == 1 and len(done["attempts"]) == 1
+    assert done["slurm_job_id"] == slurm_id
+    assert lines(slurm_server, job["id"]) == [f"line {i}" for i in range(1, 81)]
+    # sbatch ran once for it
+    r = slurm_cluster.run("squeue", "-h", "-t", "all", "--name",
+                          f"gpuplane-login1-{job['id']}-1", "-o", "%i")
+    assert r.stdout.split() == [slurm_id]
+
+
+def test_the_time_limit_job_ends_timeout(slurm_server, timeout_job):
+    done = wait_state(slurm_server, timeout_job, FINAL, timeout=240)
+    assert done["state"] == "FAILED" and done["failure_kind"] == "TIMEOUT", done
+    assert "time limit" in done["message"]
+
+
+# -- without a cluster: how Slurm's final states map ---------------------------------------
+
+@pytest.mark.parametrize("state,cancel,kind", [
+    ("COMPLETED", None, None), ("FAILED", None, None), ("OUT_OF_MEMORY", None, "OOM"),
+    ("TIMEOUT", None, "TIMEOUT"), ("NODE_FAIL", None, "LOST"), ("PREEMPTED", None, "LOST"),
+    ("BOOT_FAIL", None, "LOST"), ("CANCELLED", None, "CANCELLED"),
+    ("CANCELLED", {"requested_at": 1}, None)])
+def test_final_states_map(state, cancel, kind):
+    rec = agent_mod.slurm_end({"state": state, "exit_code": 0, "signal": None, "node": "n1"},
+                              cancel)
+    assert rec.get("failure_kind") == kind
+    assert rec["slurm_state"] == state
+
+
+def test_gres_and_sbatch_argv(tmp_path):
+    assert agent_mod.gres_gpus("gpu:4") == 4
+    assert agent_mod.gres_gpus("gpu:a100:8(S:0-1)") == 8
+    assert agent_mod.gres_gpus("(null)") == 0
+    s = agent_mod.Slurm("n", partition="p", account="a", qos="q", time_limit="30",
+                        sbatch_args=["--exclusive"])
+    msg = {"job_id": 4, "attempt": 2, "working_dir": str(tmp_path), "command": ["echo", "a b"],
+           "gpu_count": 2, "gpus": [], "cpus": 4, "mem_mb": 2048, "env": {},
+           "cpu_only": False}
+    env = {"PATH": "/bin", "SLURM_JOB_ID": "9", "SLURM_CONF": "/c", "CUDA_VISIBLE_DEVICES": "0"}
+    rec = s.exec_spec(msg, env, str(tmp_path))
+    argv = rec["argv"]
+    for want in ("--partition=p", "--account=a", "--qos=q", "--gres=gpu:2",
+                 "--cpus-per-task=4", "--mem=2048M", "--time=30", "--no-requeue",
+                 "--job-name=gpuplane-n-4-2", "--exclusive"):
+        assert want in argv
+    assert argv[-1] == str(tmp_path / "job.sh")
+    assert rec["script"].endswith("exec echo 'a b'\n")
+    assert rec["env"] == {"PATH": "/bin", "SLURM_CONF": "/c"}
+    with pytest.raises(ValueError, match="--image"):
+        s.exec_spec(dict(msg, image="x"), env, str(tmp_path))
+    assert json.dumps(rec)        # spec.json holds it
