@@ -53,6 +53,17 @@ def cmd_status(args):
             print_table(rows, ["  SLOT", "GPU", "UTIL", "MEMORY", "JOB"])
         cpu_jobs = node.get("cpu_jobs") or []
         slots = node.get("cpu_slots")
+        if node.get("runner") == "slurm":
+            # its slots are the jobs it may hold in Slurm (docs/slurm.md)
+            offer = node.get("slurm") or {}
+            used = ", ".join(job_label(j) for j in cpu_jobs) or "none"
+            print(f"  Slurm partition {offer.get('partition') or '(default)'}: "
+                  + (f"sinfo failed: {offer['error']}" if offer.get("error") else
+                     f"{offer.get('nodes')} nodes, up to {offer.get('max_gpus')} GPUs, "
+                     f"{offer.get('cpus')} CPUs, {offer.get('mem_mb')} MiB a node, "
+                     f"time limit {offer.get('time_limit')}"))
+            print(f"  Slurm jobs {len(cpu_jobs)}/{slots}: {used}")
+            continue
         if slots is not None or cpu_jobs:
             used = ", ".join(job_label(j) for j in cpu_jobs) or "free"
             print(f"  CPU slots {len(cpu_jobs)}/{slots}: {used}")

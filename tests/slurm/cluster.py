@@ -79,6 +79,7 @@ class SlurmCluster:
                 os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))
         self.ctld_port, self.slurmd_port = _free_port(), _free_port()
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        scheduler_line = f"SchedulerParameters={self.scheduler}\n" if self.scheduler else ""
         self.conf.write_text(f"""\
 ClusterName={self.cluster}
 SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)
@@ -98,8 +99,7 @@ SlurmdLogFile={r}/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 SchedulerType=sched/backfill
-SchedulerParameters={self.scheduler}
-SelectType=select/cons_tres
+{scheduler_line}SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU={self.memory_mb // self.cpus}
 ProctrackType=proctrack/cgroup

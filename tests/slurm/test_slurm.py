@@ -6,6 +6,8 @@ submitted by the first test and looked at by the last, so its minute and a half 
 everything else in this module.
 """
 import json
+import re
+import subprocess
 import sys
 
 import pytest
@@ -100,16 +102,23 @@ def test_two_gpus_resources_and_cli(slurm_server, slurm_agent, slurm_cluster, tm
     assert info["TresPerNode"] == "gres:gpu:2", info
     assert "mem=300M" in info["TRES"] and "cpu=3" in info["TRES"], info["TRES"]
     assert info["Nice"] == "5"          # the agent's --sbatch-arg
-    # `gpuplane job show` names the Slurm job
-    import subprocess
-    out = subprocess.run([sys.executable, "-m", "gpuplane", "job", "show", str(job["id"]),
-                          "--server", slurm_server.url], capture_output=True, text=True,
-                         env={"GPUCTL_TOKEN": slurm_server.token, "PATH": "/usr/bin:/bin",
-                              "HOME": str(tmp_path)}, timeout=60)
+    # `gpuplane job show` names the Slurm job; `gpuplane status` what the partition offers
+    show = cli(slurm_server, tmp_path, "job", "show", str(job["id"]))
+    assert re.search(rf"^  slurm job +{done['slurm_job_id']}$", show, re.M), show
+    assert re.search(r"^ATTEMPT .* SLURM ", show, re.M), show
+    status = cli(slurm_server, tmp_path, "status")
+    assert (f"Slurm partition {slurm_cluster.partition}: 1 nodes, up to 4 GPUs, 16 CPUs, "
+            "8000 MiB a node, time limit 1:00:00") in status, status
+    assert re.search(r"Slurm jobs \d+/8", status), status
+
+
+def cli(server, tmp_path, *argv):
+    out = subprocess.run([sys.executable, "-m", "gpuplane", *argv, "--server", server.url],
+                         capture_output=True, text=True, timeout=60,
+                         env={"GPUCTL_TOKEN": server.token, "PATH": "/usr/bin:/bin",
+                              "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr
-    assert f"slurm job    {done['slurm_job_id']}" in out.stdout or \
-        done["slurm_job_id"] in out.stdout.split("slurm job", 1)[1].split("\n", 1)[0], out.stdout
-    assert "SLURM" in out.stdout
+    return out.stdout
 
 
 def test_over_its_memory_is_oom(slurm_server, slurm_agent, tmp_path):

@@ -146,7 +146,9 @@ function nodeCard(n) {
   const cpu = h("p", { class: "small" });
   const el = h("article", { class: "card node", "data-node": n.name },
     h("header", { class: "row" }, h("h3", { text: n.name }), state,
-      n.fake ? h("span", { class: "badge muted", text: "fake GPUs" }) : null, host),
+      n.fake ? h("span", { class: "badge muted", text: "fake GPUs" }) : null,
+      n.runner === "slurm" ? h("span", { class: "badge muted", text: "Slurm" }) : null, host),
+    n.runner === "slurm" ? h("p", { class: "small muted slurm-offer", text: slurmOffer(n) }) : null,
     rows.length ? h("table", { class: "table gpus" },
       h("thead", {}, h("tr", {}, ["GPU", "Utilisation", "Memory", "Temp", "Power", "Job"].map((t) => h("th", { text: t })))),
       h("tbody", {}, rows.map((r) => r.el))) : null,
@@ -180,9 +182,16 @@ function updateCard(card, n, names) {
   const cpuKey = (n.cpu_jobs || []).map((id) => `${id}:${names.get(id) || ""}`).join(",");
   if (card.cpuKey !== cpuKey) {
     card.cpuKey = cpuKey;
-    replace(card.cpu, cpuKey ? ["CPU jobs: ", n.cpu_jobs.map((id) => h("a", { href: `#/jobs/${id}`, class: "chip" }, `#${id} `, h("span", { text: names.get(id) || "" })))] : []);
+    replace(card.cpu, cpuKey ? [n.runner === "slurm" ? `Slurm jobs (${n.cpu_jobs.length}/${n.cpu_slots}): ` : "CPU jobs: ", n.cpu_jobs.map((id) => h("a", { href: `#/jobs/${id}`, class: "chip" }, `#${id} `, h("span", { text: names.get(id) || "" })))] : []);
     card.cpu.hidden = !cpuKey;
   }
+}
+
+// A Slurm agent's node (docs/slurm.md): what its partition offers, and its job slots.
+function slurmOffer(n) {
+  const o = n.slurm || {};
+  if (o.error) return `Slurm partition ${o.partition || "(default)"}: sinfo failed: ${o.error}`;
+  return `Slurm partition ${o.partition || "(default)"}: ${o.nodes} node${o.nodes === 1 ? "" : "s"}, up to ${o.max_gpus} GPUs, ${o.cpus} CPUs and ${fmtGB(o.mem_mb)} a node, time limit ${o.time_limit}; ${n.cpu_slots} jobs at once`;
 }
 
 function hostLine(host) {
