@@ -18,7 +18,7 @@ from itertools import compress
 
 from . import rules, states, vocab
 from .config import ConfigError
-from .db import events as db_events, now_ms
+from .db import events as db_events, metric_defs, now_ms
 from .hub import Hub
 from .scheduler import Worker
 
@@ -347,7 +347,11 @@ class Engine(Worker):
         o = run.overfit.get(key)
         train_key = run.train_keys.get(base)
         if o is None and train_key is not None:
-            o = run.overfit[key] = rules.Overfit(key, train_key, self.cfg)
+            # the direction a metric definition gives the key wins over its name's
+            # (gpuplane/vocab.py); unknown, the rule keeps quiet on it
+            defined = metric_defs.defined_direction(self.db, key, run.ctx.get("project") or "",
+                                                    run.ctx.get("experiment") or "")[0]
+            o = run.overfit[key] = rules.Overfit(key, train_key, self.cfg, direction=defined)
             self._rebuild(run, train_key, steps[0] + 1, o.train_points, 1024)
             self._rebuild(run, key, steps[0], o.eval_points, 64)
         if o is not None:

@@ -72,8 +72,8 @@ def test_lr_restart_is_not_a_spike_but_a_spike_later_is():
     assert [f["step"] for f in feed_spike(values, lr=lr)] == [800]
 
 
-def overfit_run(rise):
-    o = rules.Overfit("eval/loss", "train/loss", CFG)
+def overfit_run(rise, eval_key="eval/loss", train_key="train/loss", direction=None):
+    o = rules.Overfit(eval_key, train_key, CFG, direction=direction)
     found = []
     for step in range(0, 2000, 10):
         o.train_points([step], [2.0 * math.exp(-step / 700) + 0.1])
@@ -90,6 +90,16 @@ def test_overfitting_when_eval_worsens_while_train_improves():
     assert found and found[0]["type"] == "OVERFITTING_SUSPECTED"
     assert found[0]["evidence"]["best_step"] == 1000
     assert overfit_run(0.0) == []           # eval on a plateau: not overfitting
+
+
+def test_overfitting_reads_the_direction_of_the_vocabulary():
+    """A name that says nothing of its direction is never judged worse; a metric
+    definition's direction wins over the name's (gpuplane/vocab.py)."""
+    assert overfit_run(0.3, "eval/compare", "train/compare") == []
+    found = overfit_run(0.3, "eval/compare", "train/compare", direction="min")
+    assert found and found[0]["evidence"]["best_step"] == 1000
+    # defined as higher-is-better, a rising eval/loss is getting better, not overfitting
+    assert overfit_run(0.3, direction="max") == []
 
 
 def test_overfitting_not_when_train_gets_worse_too():
