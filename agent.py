@@ -72,6 +72,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -141,6 +142,10 @@ TB_MAX_POINTS = 200_000           # points one poll hands out at most
 TB_RECORD_POINTS = 5000           # points in one `metrics` record
 _TB_CHUNK = 4 << 20               # bytes read per system call
 _TB_HUGE_RECORD = 16 << 20        # larger records (graphs, big images) are skipped unread
+TB_MAX_DEPTH = 8                  # levels below the TensorBoard dir walked for event files
+TB_MAX_ENTRIES = 20_000           # directory entries looked at per walk
+TB_MAX_KEY_CHARS = 512            # a longer tag is refused by the server; not sent
+AGENT_HOME = None                 # set at start: the home is never walked for a job
 
 # checkpoints
 CKPT_INTERVAL_S = 5.0
@@ -1845,6 +1850,7 @@ class TensorBoardHook:
         self.offsets = {}
         self.tailer = None
         self.warned = False
+        self.refused = 0       # points left out (see _fit)
 
     def poll(self, emit, final=False):
         """-> True when a poll returned a full batch (more is waiting)."""
@@ -1853,9 +1859,17 @@ class TensorBoardHook:
         if not root or not os.path.isdir(root):
             return False
         if self.tailer is None:
+            why = walk_root_refused(root)
+            if why:
+                if not self.warned:
+                    self.warned = True
+                    log.warning("job %s attempt %s: not tailing TensorBoard files under %s: "
+                                "%s; give the job a tb_dir of its own", att.job_id,
+                                att.attempt, root, why)
+                return False
             self.tailer = TBTailer(root, att.received_at / 1000.0, dict(self.offsets))
         # After the exit: look for files written since the last walk.
-        points = self.tailer.poll(rescan=final)
+        points = self._fit(self.tailer.poll(rescan=final))
         n = TB_RECORD_POINTS
         for i in range(0, len(points), n):
             chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + n]]
@@ -1867,6 +1881,38 @@ class TensorBoardHook:
                  len(chunk) * 40)
         self.offsets = dict(self.tailer.offsets)
         return len(points) >= self.tailer.max_points
+
+    def _fit(self, points):
+        """The points the server takes; one it would refuse (a tag over 512 characters,
+        a negative step) is counted and left out here, never the rest of its record."""
+        bad = [p for p in points if not p[0] or len(p[0]) > TB_MAX_KEY_CHARS or p[1] < 0]
+        if not bad:
+            return points
+        self.refused += len(bad)
+        log.warning("job %s attempt %s: %d TensorBoard points not sent (%d so far): a tag "
+                    "over %d characters or a negative step, e.g. %r at step %s; the other "
+                    "points are sent", self.att.job_id, self.att.attempt, len(bad),
+                    self.refused, TB_MAX_KEY_CHARS, bad[0][0][:60], bad[0][1])
+        bad_ids = set(map(id, bad))
+        return [p for p in points if id(p) not in bad_ids]
+
+
+def walk_root_refused(root, agent_home=None):
+    """Why a directory the agent would walk for a job (TensorBoard files, checkpoints) is
+    refused as its root, or None: never a whole filesystem, a home directory or the
+    agent's own home, so one job's settings cannot make the agent walk everything."""
+    try:
+        real = os.path.realpath(root)
+    except (OSError, ValueError):
+        return "it cannot be resolved"
+    if real == "/":
+        return "walking a whole filesystem is refused"
+    if real == os.path.realpath(os.path.expanduser("~")):
+        return "walking a whole home directory is refused"
+    home = agent_home or AGENT_HOME or os.environ.get("GPUCTL_HOME")
+    if home and real == os.path.realpath(home):
+        return "walking the agent's home is refused"
+    return None
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -1974,8 +2020,8 @@ class CheckpointHook:
             if real is not None:
                 if not os.path.isdir(real):
                     why = "it is not a directory"
-                elif real == "/" or real == os.path.expanduser("~"):
-                    why = "watching a whole filesystem or home directory is refused"
+                elif walk_root_refused(real):
+                    why = walk_root_refused(real)
         if why != self.skipped:
             if why:
                 log.warning("job %s attempt %s: not watching %r for checkpoints: %s",
@@ -2995,19 +3041,28 @@ class TBTailer:
             tb_log.warning(msg, *args)
 
     def _scan(self):
-        stack = [self.root]
+        """Walk the tree for event files, bounded: TB_MAX_DEPTH levels, TB_MAX_ENTRIES
+        entries a walk (a job's huge tree must not stall the other jobs of its node)."""
+        stack, budget = [(self.root, 0)], TB_MAX_ENTRIES
         while stack:
-            d = stack.pop()
+            d, depth = stack.pop()
             try:
                 it = os.scandir(d)
             except OSError:
                 continue
             with it:
                 for e in it:
+                    budget -= 1
+                    if budget < 0:
+                        self._warn_once("", "entries", "more than %d entries under %s; the "
+                                        "walk for TensorBoard files stops there (give the job "
+                                        "a tb_dir of its own)", TB_MAX_ENTRIES, self.root)
+                        return
                     try:
                         if e.is_dir(follow_symlinks=False):
-                            if not e.name.startswith(".") and e.name not in _TB_SKIP_DIRS:
-                                stack.append(e.path)
+                            if not e.name.startswith(".") and e.name not in _TB_SKIP_DIRS \
+                                    and depth < TB_MAX_DEPTH:
+                                stack.append((e.path, depth + 1))
                         elif "tfevents" in e.name and e.is_file():
                             self._consider(e)
                     except OSError:
@@ -3664,7 +3719,7 @@ def backup_agent(home, out_path):
                           "agent's --home")
     order = [os.path.join(home, "agent.toml"), os.path.join(agent_dir, "spool"),
              os.path.join(agent_dir, "state.json"), agent_dir]
-    seen, files, total = set(), 0, 0
+    seen, files, total, skipped = set(), 0, 0, 0
     tmp = f"{out_path}.partial"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
@@ -3679,12 +3734,20 @@ def backup_agent(home, out_path):
                             ".tmp" in os.path.basename(path):
                         continue
                     seen.add(path)
+                    # A job writes into its attempt dir: a symlink there must not pull
+                    # another file (~/.ssh/id_rsa) into the archive, nor a FIFO block the
+                    # backup for ever. Only regular files, opened without following links.
                     try:
-                        f = open(path, "rb")
-                    except (FileNotFoundError, IsADirectoryError):
-                        continue          # replaced or removed meanwhile
+                        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                    except OSError:
+                        skipped += 1      # a symlink (ELOOP), gone, or unreadable
+                        continue
+                    f = os.fdopen(fd, "rb")
                     with f:
                         st = os.fstat(f.fileno())
+                        if not stat.S_ISREG(st.st_mode):
+                            skipped += 1  # a FIFO, socket or device
+                            continue
                         info = tarfile.TarInfo(os.path.relpath(path, home))
                         info.size, info.mtime, info.mode = st.st_size, st.st_mtime, 0o600
                         tar.addfile(info, _Prefix(f, st.st_size))
@@ -3693,6 +3756,9 @@ def backup_agent(home, out_path):
         raw.flush()
         os.fsync(raw.fileno())
     os.replace(tmp, out_path)
+    if skipped:
+        print(f"gpuplane-agent: backup: left out {skipped} entries that are not regular "
+              "files (symlinks, FIFOs, sockets)", file=sys.stderr)
     return files, total
 
 
@@ -3725,6 +3791,8 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     _not_dumpable()
+    global AGENT_HOME
+    AGENT_HOME = config.home        # never walked for a job (walk_root_refused)
     agent = Agent(config)
     log.info("agent %s starting; home %s; server %s", config.name, config.home,
              config.server)

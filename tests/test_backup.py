@@ -210,3 +210,27 @@ def test_restore_refused_whenever_the_home_lock_is_held_and_backups_hold_only_ba
     assert r.returncode == 1 and "stop it first" in r.stderr and "server.lock" in r.stderr
     assert db.stat().st_ino == inode            # not replaced under the running server
     live_server.api.get("/api/v1/health", expect=200)
+
+
+def test_backup_agent_takes_regular_files_only(tmp_path):
+    """Issue 22: a job can put a symlink in its attempt dir (the archive then held the file
+    it pointed to, ~/.ssh/id_rsa say) or a FIFO (the backup blocked on it for ever)."""
+    import tarfile
+    home = tmp_path / "home"
+    att = home / "agent" / "jobs" / "1" / "1"
+    att.mkdir(parents=True)
+    (att / "log").write_text("hello\n")
+    secret = tmp_path / "secret"
+    secret.write_text("private key\n")
+    os.symlink(secret, att / "stolen")
+    os.mkfifo(att / "fifo")
+    out = tmp_path / "a.tar.gz"
+    r = subprocess.run([sys.executable, "-m", "agent", "backup", str(out), "--home", str(home)],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert "left out 2 entries" in r.stderr
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+        assert "agent/jobs/1/1/log" in names
+        assert not {"agent/jobs/1/1/stolen", "agent/jobs/1/1/fifo"} & names

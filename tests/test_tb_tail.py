@@ -452,3 +452,45 @@ def test_no_file_descriptors_held_between_polls(tmp_path):
             append(p, record(event(step, loss=step)))
         assert len(t.poll()) == 5
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+# -- issue 22: bounded walks, refused roots, one long tag never costs its record --------
+
+def test_the_walk_is_bounded_in_depth_and_entries(tmp_path, monkeypatch, caplog):
+    shallow = new_event_file(tmp_path / "a")
+    append(shallow, record(event(1, loss=0.5)))
+    deep = tmp_path.joinpath(*[f"d{i}" for i in range(tb.TB_MAX_DEPTH + 2)])
+    append(new_event_file(deep), record(event(1, deep=0.5)))
+    assert {k for k, *_ in TBTailer(tmp_path).poll()} == {"a/loss"}    # too deep: not read
+    for i in range(50):
+        (tmp_path / "a" / f"junk{i}").write_text("")
+    monkeypatch.setattr(tb, "TB_MAX_ENTRIES", 20)
+    with caplog.at_level(logging.WARNING):
+        TBTailer(tmp_path).poll()
+    assert "more than 20 entries" in caplog.text
+
+
+def test_a_whole_filesystem_home_or_the_agents_home_is_never_walked(tmp_path, monkeypatch):
+    assert "whole filesystem" in tb.walk_root_refused("/")
+    assert "home directory" in tb.walk_root_refused(os.path.expanduser("~"))
+    assert "agent's home" in tb.walk_root_refused(str(tmp_path), agent_home=str(tmp_path))
+    assert tb.walk_root_refused(str(tmp_path / "x")) is None
+
+
+def test_one_long_tag_is_left_out_and_the_rest_of_the_record_sent(tmp_path, caplog):
+    class Att:
+        job_id, attempt, run_id, key, received_at = 1, 1, 7, "1/1", 0.0
+        tb_dir, working_dir = str(tmp_path), str(tmp_path)
+
+        def resolve(self, rel):
+            return rel
+    p = new_event_file(tmp_path / "run")
+    for s in range(100):
+        append(p, record(event(s, loss=1.0 / (s + 1), **{"t" * 600: 0.5})))
+    hook, sent = tb.TensorBoardHook(Att()), []
+    with caplog.at_level(logging.WARNING):
+        hook.poll(lambda kind, rec, *_: sent.append(rec), final=True)
+    keys = {k for rec in sent for k, *_ in rec["points"]}
+    assert keys == {"run/loss"} or keys == {"loss"}, keys
+    assert sum(len(rec["points"]) for rec in sent) == 100 and hook.refused == 100
+    assert "100 TensorBoard points not sent" in caplog.text
