@@ -28,7 +28,7 @@ export async function render(root) {
   }
   function row(d) {
     return h("tr", {}, h("td", {}, h("code", { text: d.key })), h("td", { text: scopeOf(d) }),
-      h("td", { text: d.direction === "max" ? "↑ higher is better" : "↓ lower is better" }),
+      h("td", { text: d.direction === "max" ? "↑ higher is better" : d.direction === "min" ? "↓ lower is better" : "inherited, else by its name" }),
       h("td", { text: d.primary ? "primary" : "" }), h("td"));
   }
   function editor() {
