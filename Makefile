@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test man install clean-venv wheels
+.PHONY: up test lint man install clean-venv wheels
 WHEELS ?= wheels
 
 $(BIN)/python:
@@ -20,7 +20,12 @@ install: $(VENV)/.installed
 up: $(VENV)/.installed
 	$(BIN)/gpuplane up --example
 
-test: $(VENV)/.installed
+# The linter and the type checker first (seconds), then the suite (minutes).
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest
 
 # Man pages from the argparse parsers (tests/test_install.py checks they are current).

@@ -2656,7 +2656,7 @@ def _shim_write(path, text, mode=0o600):
     os.replace(tmp, path)
 
 
-_btime = []        # the boot time, read once (the shim's own copy: SHIM_PRELUDE)
+_btime: list = []  # the boot time, read once (the shim's own copy: SHIM_PRELUDE)
 
 
 def _shim_ctime(pid):

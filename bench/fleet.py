@@ -20,7 +20,6 @@ import os
 import pathlib
 import selectors
 import socket
-import statistics
 import sys
 import tempfile
 import threading

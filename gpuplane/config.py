@@ -83,7 +83,7 @@ TABLES = {
     "webhooks": (list, "a list of tables ([[webhooks]])"),
 }
 
-SERVER_DEFAULTS = {k: default for k, (default, _, _) in SETTINGS.items()}
+SERVER_DEFAULTS: dict = {k: default for k, (default, _, _) in SETTINGS.items()}
 
 
 @dataclasses.dataclass(frozen=True)

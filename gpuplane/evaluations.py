@@ -20,7 +20,7 @@ def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_on
             raise BadRequest(
                 f"no evaluation command: give one (`gpuplane ckpt evaluate {ckpt['id']} -- "
                 "python eval.py`, or 'command' in the body)"
-                + (f", or submit the training job with --eval-command" if job else ""))
+                + (", or submit the training job with --eval-command" if job else ""))
     if working_dir is None:
         if job is None:
             raise BadRequest(

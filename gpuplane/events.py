@@ -29,7 +29,7 @@ STALL_CHECK_S = 5.0
 USER_EVENTS_PER_MIN = 120      # distinct SDK events per run per minute; beyond, counted
 
 
-_kinds = {}
+_kinds: dict = {}
 
 
 def _classify(key):

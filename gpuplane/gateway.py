@@ -556,11 +556,11 @@ def gpu_list_problem(gpus):
     if len(gpus) > MAX_GPUS:
         return f"'gpus' lists {len(gpus)} GPUs; at most {MAX_GPUS}"
     seen = set()
-    for g in gpus:
-        why = _flat_problem(g, "a GPU", MAX_STAT_FIELDS)
+    for gpu in gpus:
+        why = _flat_problem(gpu, "a GPU", MAX_STAT_FIELDS)
         if why:
             return why
-        i = g.get("index")
+        i = gpu.get("index")
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < 4096 or i in seen:
             return "each GPU needs its own integer 'index' from 0 to 4095"
         seen.add(i)

@@ -9,7 +9,6 @@ the oldest waiting event is dropped, with a log line.
 """
 import logging
 import threading
-import time
 import urllib.parse
 from collections import deque
 

@@ -155,7 +155,7 @@ def test_recommend_prefers_evaluation_results_then_training_values(api, app):
     log(api, a, {"val/loss": [(100, 0.9), (200, 0.5)], "train/loss": [(100, 0.3), (200, 0.1)]})
     log(api, b, {"val/loss": [(100, 0.7), (200, 0.45)]})
     ca1, ca2 = ckpt(api, a, "/w/a1.pt", 100), ckpt(api, a, "/w/a2.pt", 200)
-    cb1, cb2 = ckpt(api, b, "/w/b1.pt", 110), ckpt(api, b, "/w/b2.pt", 200)
+    _cb1, cb2 = ckpt(api, b, "/w/b1.pt", 110), ckpt(api, b, "/w/b2.pt", 200)
     r = api.get("/checkpoints:recommend?experiment=e")
     # no primary defined: an evaluation loss is guessed, and the answer says so
     assert r["metric"]["key"] == "val/loss" and r["metric"]["primary_from"] == "guess"

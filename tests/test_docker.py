@@ -4,7 +4,6 @@ The image is made here from the static busybox (no registry is reachable):
 `.ci/run` installs docker.io and busybox-static and starts dockerd when they are absent.
 """
 import os
-import pathlib
 import shutil
 import subprocess
 import tempfile

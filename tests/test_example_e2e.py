@@ -1,6 +1,5 @@
 """The CPU example, end to end: its logs, TensorBoard curves, SDK points and checkpoints
 all land under its run."""
-import pathlib
 import sys
 
 from procs import ROOT, wait_for

@@ -1,6 +1,5 @@
 """The spine end to end: a real gunicorn server, a real agent with fake GPUs, real jobs."""
 import json
-import os
 import sys
 import textwrap
 
@@ -212,7 +211,7 @@ def test_failure_kinds_are_final_and_a_manual_retry_makes_a_new_attempt(
 
 
 def test_logs_tail_and_sse_follow_until_the_end(live_server, agent, tmp_path):
-    api, cmd = live_server.api, gated(tmp_path)
+    api, _cmd = live_server.api, gated(tmp_path)
     code = ("import time, pathlib, sys\n"
             "for i in range(30): print('line', i, flush=True)\n"
             f"while not pathlib.Path({str(tmp_path / 'go')!r}).exists(): time.sleep(0.02)\n"
@@ -318,7 +317,7 @@ def test_node_lost_past_grace_retries_on_another_node_and_stops_the_stale_attemp
     j = api.submit(cmd("x"), tmp_path, gpus=1, max_attempts=2)
     wait_for(lambda: api.job(j["id"])["state"] == "RUNNING", what="attempt 1 running")
     first.kill()
-    second = agent_factory(server, name="second", fake_gpus=1)
+    _second = agent_factory(server, name="second", fake_gpus=1)
     j2 = wait_for(lambda: (x := api.job(j["id"]))["attempt"] == 2 and x["state"] == "RUNNING"
                   and x, timeout=30, what="attempt 2 running on the other node")
     assert j2["node"] == "second"

@@ -6,7 +6,7 @@ import tomllib
 import pytest
 
 from gpuplane.app import create_app
-from gpuplane.db import Database, jobs, logs, metrics, now_ms
+from gpuplane.db import logs, metrics, now_ms
 
 TS = 1_764_403_200_000
 

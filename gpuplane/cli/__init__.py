@@ -20,9 +20,10 @@ import sys
 
 from . import (backups, checkpoints, common, completion, doctor, events, jobs, runs, semantic, status,
                sweeps, tokens, up)
-from .common import (EXIT_CANCELLED, EXIT_ERROR, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,
-                     EXIT_UNREACHABLE, EXIT_USAGE, CliError, ago, duration, note,
-                     print_table)
+from .common import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE,
+                     CliError, note)
+# re-exported: gpuplane.cli's exit codes and formatting helpers (tests use them)
+from .common import EXIT_CANCELLED, EXIT_FAILED, ago, duration, print_table  # noqa: F401
 
 # One line per module of commands, in the order `gpuplane --help` lists them. A new
 # command: a module with add_parser(subparsers) (see gpuplane/cli/status.py), one line here.
@@ -143,9 +144,10 @@ def _report(exc, args):
         return EXIT_ERROR
     try:
         from gpuplane.config import ConfigError
+        config_errors: tuple = (ConfigError,)
     except ImportError:
-        ConfigError = ()
-    if ConfigError and isinstance(exc, ConfigError):
+        config_errors = ()
+    if isinstance(exc, config_errors):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     # Never a traceback, but keep enough to report a bug with.

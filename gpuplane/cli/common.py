@@ -7,7 +7,6 @@ Top-level imports are the standard library only (see gpuplane/cli/__init__.py).
 import argparse
 import datetime
 import json
-import os
 import re
 import shlex
 import sys

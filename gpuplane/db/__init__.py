@@ -423,7 +423,7 @@ MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM]
 
 
-_databases = weakref.WeakSet()
+_databases: weakref.WeakSet = weakref.WeakSet()
 
 # Reader connections per Database, opened with it. SQLite (unix VFS) cannot close the
 # database file's descriptor of a closed connection while another connection of the

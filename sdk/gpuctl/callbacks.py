@@ -11,7 +11,7 @@ import re
 
 from . import run
 
-_built = {}
+_built: dict = {}
 
 
 def _scalars(items):

@@ -17,7 +17,7 @@ import os
 try:
     import fcntl
 except ImportError:  # Windows: no locks, so no replay of other processes' spools
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
 
 MEMORY_RECORDS = 64  # records held in memory besides the file (at most 9 MB of points)
 MEMORY_MAX_RECORDS = 200  # when there is no file: about a million points, 28 MB

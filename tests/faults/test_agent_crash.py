@@ -16,7 +16,6 @@ import os
 import random
 import time
 
-import pytest
 
 from .helpers import check_lines, log_rows, node_cursor, report, starts, stream_command, wait_for
 

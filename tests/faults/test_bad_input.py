@@ -11,13 +11,12 @@ import os
 import random
 import re
 
-import pytest
 import requests
 from simple_websocket import Client, ConnectionClosed
 
 from procs import route_walk
 
-from .helpers import long_mode, report, snapshot, wait_for
+from .helpers import report, snapshot
 
 SEED = int(os.environ.get("FAULTS_SEED", "1"))
 MB = 1024 * 1024

@@ -1,7 +1,6 @@
 """Jobs through node loss and server restarts: each attempt starts exactly once (jobs
 write a start marker), a stale attempt is stopped when its node returns, and queued jobs
 wait for agents to reconcile after a server restart."""
-import json
 import os
 import random
 import textwrap

@@ -7,7 +7,6 @@ shorter than node_grace_s) and runs once, to the end.
 """
 import time
 
-import pytest
 
 from .helpers import (AgentTarget, Proxy, check_lines, log_rows, long_mode, report, ro, starts,
                       stream_command, wait_for)

@@ -11,14 +11,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
 import time
 
 import requests
 
-from .helpers import PY, SDK_DIR, check_points, point_rows, report, wait_for
+from .helpers import PY, SDK_DIR, check_points, point_rows, report
 
 HANG_S = 7.0                     # longer than the SDK's 5 s read timeout
 

@@ -7,7 +7,7 @@ import threading
 import time
 
 from gpuctl import sender
-from sdkutil import spool_points, TOKEN, isnan, wait_for
+from sdkutil import spool_points, TOKEN, wait_for
 
 
 def _spool_lines(path):
