@@ -821,6 +821,24 @@ def job_environment(msg, inherited, sdk_dir=SDK_DIR):
     return env
 
 
+def pick_resume(candidates):
+    """The checkpoint an attempt after a lost or failed one resumes from: the first of the
+    server's candidates (the highest step first) whose path still exists here, or None."""
+    for c in candidates or []:
+        path = c.get("path") if isinstance(c, dict) else None
+        if isinstance(path, str) and os.path.isabs(path) and os.path.exists(path):
+            return c
+    return None
+
+
+def resume_environment(resume):
+    """GPUCTL_RESUME_FROM (the path) and GPUCTL_RESUME_STEP (its step, when known)."""
+    env = {"GPUCTL_RESUME_FROM": resume["path"]}
+    if isinstance(resume.get("step"), int):
+        env["GPUCTL_RESUME_STEP"] = str(resume["step"])
+    return env
+
+
 def shim_environment():
     """The shim's own environment: nothing of the agent's (a job can read its parent's
     /proc/PID/environ); the job's environment travels in spec.json."""
@@ -951,6 +969,7 @@ class Attempt:
         self.tb_dir = start.get("tb_dir")
         self.watch_dir = start.get("watch_dir")
         self.container = spec.get("container")   # a container's name, for image jobs
+        self.resumed_from = spec.get("resumed_from")   # the checkpoint id it resumes from
         self.container_stop_sent = False
         self.slurm_id = None              # --runner slurm: the batch job's id, its last
         self.slurm_reason = None          # PENDING reason, and whether its log appeared
@@ -2209,6 +2228,8 @@ class Reporter:
         rec = self.job_record(att, "RUNNING")
         if att.slurm_id is not None:
             rec["slurm_job_id"] = att.slurm_id
+        if att.resumed_from is not None:
+            rec["resumed_from"] = att.resumed_from
         self.outbox.append("job", rec, att={"key": att.key, "running": True})
         att.running_reported = True
 
@@ -2443,6 +2464,10 @@ class Runner(Worker):
             msg["server_url"] = self.server_url
         env = job_environment(msg, self.inherited_env)
         spec = {"start": msg, "received_at": now_ms()}
+        resume = pick_resume(msg.get("resume"))
+        if resume is not None:
+            env.update(resume_environment(resume))
+            spec["resumed_from"] = resume["checkpoint_id"]
         image = msg.get("image") or self.docker.default_image
         try:
             for need in msg.get("require_paths") or []:

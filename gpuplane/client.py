@@ -271,8 +271,8 @@ class Client:
         return self._send("POST", f"jobs/{job_id}/cancel")
 
     @route("POST", "jobs/{id}/retry")
-    def retry_job(self, job_id):
-        return self._send("POST", f"jobs/{job_id}/retry")
+    def retry_job(self, job_id, resume=None):
+        return self._send("POST", f"jobs/{job_id}/retry", {"resume": resume})
 
     @route("POST", "jobs/{id}/hold")
     def hold_job(self, job_id):

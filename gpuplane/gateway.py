@@ -116,7 +116,13 @@ class Gateway:
                 # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
                 "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]
                 if job["kind"] == "EVALUATE" and job["env"].get("GPUCTL_CHECKPOINT_PATH")
-                else []}
+                else [],
+                # an attempt after a lost or failed one: the checkpoints it may resume from
+                "resume": self._resume(job) if job.get("resume") else []}
+
+    def _resume(self, job):
+        with self.db.read() as conn:
+            return checkpoints.resume_candidates(conn, job["id"], job["attempt"])
 
     def close_all(self):
         with self._lock:
@@ -384,8 +390,11 @@ class Gateway:
         if kind == "job":
             job_id, attempt = int(rec["job_id"]), int(rec["attempt"])
             if rec["state"] == states.RUNNING:
+                resumed = rec.get("resumed_from")
                 self.lifecycle.started(job_id, attempt, ts, t=t,
-                                       slurm_job_id=_slurm_id(rec.get("slurm_job_id")))
+                                       slurm_job_id=_slurm_id(rec.get("slurm_job_id")),
+                                       resumed_from=int(resumed)
+                                       if isinstance(resumed, int) else None)
                 return False
             if rec["state"] == states.PENDING:      # queued in Slurm (docs/slurm.md)
                 reason = rec.get("message")

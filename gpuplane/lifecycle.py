@@ -19,7 +19,7 @@ import contextlib
 import logging
 
 from . import states
-from .db import events, jobs, nodes, now_ms, runs, savepoint, tokens
+from .db import checkpoints, events, jobs, nodes, now_ms, runs, savepoint, tokens
 
 log = logging.getLogger(__name__)
 
@@ -176,19 +176,10 @@ class Lifecycle:
                 t.commands.append(lambda: self.agents.start(job, secret))
         return job
 
-    def waiting_in_slurm(self, job_id, attempt, slurm_job_id, reason, t=None):
-        """A Slurm agent submitted the attempt and Slurm holds it PENDING (`reason` is
-        Slurm's). The job stays DISPATCHED, its slot held; not a transition, so no event."""
-        with self._tx(t) as t:
-            if slurm_job_id:
-                runs.set_slurm_job_id(t.conn, job_id, attempt, slurm_job_id)
-            if reason:
-                jobs.set_waiting_in_slurm(t.conn, job_id, attempt,
-                                          f"queued in Slurm (job {slurm_job_id}): {reason}")
-            t.publish = True
-
-    def started(self, job_id, attempt, ts=None, t=None, slurm_job_id=None):
-        """The agent started the attempt. Returns whether the job became RUNNING."""
+    def started(self, job_id, attempt, ts=None, t=None, slurm_job_id=None, resumed_from=None):
+        """The agent started the attempt (from the checkpoint `resumed_from`, one of the
+        job's earlier runs', when it handed it GPUCTL_RESUME_FROM). Returns whether the job
+        became RUNNING."""
         ts = ts or now_ms()
         with self._tx(t) as t:
             if slurm_job_id:
@@ -196,6 +187,9 @@ class Lifecycle:
             run = runs.for_attempt(t.conn, job_id, attempt)
             if run:
                 runs.mark_running(t.conn, run["id"], ts)
+                if resumed_from is not None and checkpoints.of_job(t.conn, resumed_from,
+                                                                   job_id):
+                    runs.set_resumed_from(t.conn, run["id"], resumed_from)
             job = jobs.fetch(t.conn, job_id)
             if not job or job["attempt"] != attempt or job["state"] != states.DISPATCHED:
                 return False
@@ -292,18 +286,20 @@ class Lifecycle:
             job = jobs.fetch(t.conn, job_id)
         return job, True
 
-    def retry(self, job_id, t=None):
+    def retry(self, job_id, t=None, resume=False):
         """A job that ended (SUCCEEDED, FAILED or CANCELLED) goes back in the queue; its
-        next attempt is a new run. A queued or active job is not retried: it has an
-        attempt to come or under way. Returns (job, accepted)."""
+        next attempt is a new run (resume: handed the last checkpoint of the earlier
+        attempts). A queued or active job is not retried: it has an attempt to come or
+        under way. Returns (job, accepted)."""
         with self._tx(t) as t:
             job = jobs.fetch(t.conn, job_id)
             if job is None or job["state"] not in jobs.FINAL:
                 return job, False
-            jobs.set_queued_by_hand(t.conn, job_id, now_ms())
+            jobs.set_queued_by_hand(t.conn, job_id, now_ms(), resume=resume)
             job = jobs.fetch(t.conn, job_id)
-            self._event(t, RETRIED, f"job {job_id} ({job['name']}) queued again by hand",
-                        job=job, run_id=None, node=None)
+            self._event(t, RETRIED, f"job {job_id} ({job['name']}) queued again by hand"
+                        + (", to resume from its last checkpoint" if resume else ""),
+                        job=job, run_id=None, node=None, data={"resume": resume})
         return job, True
 
     def dependency_failed(self, job_id, message, t=None):

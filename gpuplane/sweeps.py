@@ -378,7 +378,7 @@ class Sweeper(Worker):
     def launch(self, sweep, trial):
         with self.lifecycle.transaction() as t:
             if trial["retry"] and trial["job_id"] is not None:
-                job, accepted = self.lifecycle.retry(trial["job_id"], t=t)
+                job, accepted = self.lifecycle.retry(trial["job_id"], t=t, resume=True)
                 if accepted:
                     db_sweeps.set_trial_retry(t.conn, trial["id"], False)
                     db_sweeps.set_trial_rung(t.conn, trial["id"], 0)

@@ -94,7 +94,9 @@ def test_a_v7_database_gets_a_time_on_every_rollup_bucket(tmp_path):
     conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:7]) + "\nPRAGMA user_version=7;\nCOMMIT;")
     conn.execute("ATTACH ? AS ref", (str(tmp_path / "ref.db"),))
     v7_cols = "key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last"
-    for table, cols in (("runs", "*"), ("metric_keys", "*"), ("points", "*"),
+    v7_runs = ("id, job_id, attempt, source, state, project, experiment, name, config, node,"
+               " gpu_indices, exit_code, failure_kind, created_at, started_at, ended_at, tags")
+    for table, cols in (("runs", v7_runs), ("metric_keys", "*"), ("points", "*"),
                         ("metric_rollup", "*"), ("rollups", v7_cols)):
         if cols == "*":     # the v7 table's columns: later migrations add some
             cols = ", ".join(r[1] for r in conn.execute(f"PRAGMA main.table_info({table})"))
@@ -162,3 +164,24 @@ def test_a_v10_database_opens_with_the_slurm_columns(tmp_path):
         "SELECT name, state, cpus, mem_mb, time_limit_min FROM jobs ORDER BY id")] == \
         [("train", "RUNNING", None, None, None), ("old", "SUCCEEDED", None, None, None)]
     assert [r[0] for r in db.query("SELECT slurm_job_id FROM runs")] == [None, None]
+
+
+def test_a_v11_database_opens_with_resume_and_retention_columns(tmp_path):
+    """Schema v12: a job's `resume`, a run's `resumed_from`, a checkpoint's pinned /
+    deleted / bytes freed / why kept; rows written before read with none of them."""
+    from gpuplane.db import checkpoints
+    path = tmp_path / "v11.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:11]) + "\nPRAGMA user_version=11;\nCOMMIT;")
+    for t in ("jobs", "runs"):
+        conn.execute(ROWS[t])
+    conn.execute("INSERT INTO checkpoints (run_id, path, step, created_at, updated_at)"
+                 " VALUES (1, '/w/c.pt', 2, 1, 1)")
+    conn.close()
+    db = Database(path)
+    assert jobs.get(db, 1)["resume"] is False and runs.get(db, 1)["resumed_from"] is None
+    c = checkpoints.get(db, 1)
+    assert c["pinned"] is False and c["deleted_at"] is None and c["keep_reason"] is None
+    with db.read() as conn:
+        assert checkpoints.resume_candidates(conn, 1, 2) == [
+            {"checkpoint_id": 1, "path": "/w/c.pt", "step": 2}]

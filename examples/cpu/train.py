@@ -67,8 +67,15 @@ def main():
                  config=vars(args))
     tb = TBWriter(args.logdir) if TBWriter else None
     os.makedirs(args.checkpoint_dir, exist_ok=True)
-    step = 0
-    for epoch in range(args.epochs):
+    step, first_epoch = 0, 0
+    # A retried attempt (after a lost node, `job retry --resume`, `sweep retry-failed`)
+    # gets the last checkpoint; without it the script starts from scratch (docs/sdk.md).
+    if os.environ.get("GPUCTL_RESUME_FROM"):
+        with open(os.environ["GPUCTL_RESUME_FROM"]) as f:
+            saved = json.load(f)
+        w, b, step, first_epoch = saved["w"], saved["b"], saved["step"], saved["epoch"] + 1
+        print(f"resumed from {os.environ['GPUCTL_RESUME_FROM']} at step {step}", flush=True)
+    for epoch in range(first_epoch, args.epochs):
         for _ in range(args.steps_per_epoch):
             batch = rng.sample(train, 32)
             gw, gb, loss = [0.0] * 8, 0.0, 0.0

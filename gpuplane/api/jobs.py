@@ -212,7 +212,9 @@ def cancel(job_id):
 @requires("write")
 def retry(job_id):
     _job_or_404(job_id)
-    job, ok = current_lifecycle().retry(job_id)
+    data = body() if request.get_data(cache=True) else {}
+    resume = field(data, "resume", bool, False)
+    job, ok = current_lifecycle().retry(job_id, resume=resume)
     if not ok:
         raise Conflict(f"job {job_id} is {job['state']} and has an attempt still to come or "
                        "under way; retry runs a job again once it has ended (SUCCEEDED, "

@@ -110,6 +110,9 @@ def add_parser(subparsers):
     p = command(jsub, "retry", "run a job that has ended (any outcome) again, as a new attempt",
                 parents=(conn, js))
     p.add_argument("job_id", type=job_id_type, metavar="ID")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="hand the new attempt the last checkpoint of the earlier ones "
+                        "(GPUCTL_RESUME_FROM, GPUCTL_RESUME_STEP; docs/sdk.md)")
     p.set_defaults(func=cmd_job_retry)
 
     for name, verb in (("hold", "keep a queued job from starting until it is released"),
@@ -372,7 +375,7 @@ def cmd_job_wait(args):
 
 
 def cmd_job_retry(args):
-    job = make_client(args).retry_job(args.job_id)
+    job = make_client(args).retry_job(args.job_id, resume=args.resume)
     if args.json:
         print_json(job)
     else:

@@ -418,9 +418,22 @@ ALTER TABLE jobs ADD COLUMN mem_mb INTEGER;
 ALTER TABLE jobs ADD COLUMN time_limit_min INTEGER;
 """
 
+# Resume and checkpoint retention (docs/sweeps.md, docs/checkpoints.md): a job whose next
+# attempt resumes from its last checkpoint (`resume`, set by a platform retry or a retry
+# asked to resume), the checkpoint a run resumed from; a checkpoint pinned by hand, deleted
+# by retention (when, the bytes freed) and why retention keeps one.
+SCHEMA_V12_RESUME = """
+ALTER TABLE jobs ADD COLUMN resume INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN resumed_from INTEGER;
+ALTER TABLE checkpoints ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE checkpoints ADD COLUMN deleted_at INTEGER;
+ALTER TABLE checkpoints ADD COLUMN bytes_freed INTEGER;
+ALTER TABLE checkpoints ADD COLUMN keep_reason TEXT;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
-              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM]
+              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

@@ -95,7 +95,32 @@ def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
 
 
 def _row(r):
-    return dict(r)
+    d = dict(r)
+    if "pinned" in d:
+        d["pinned"] = bool(d["pinned"])
+    return d
+
+
+RESUME_CANDIDATES = 5
+
+
+def resume_candidates(conn, job_id, attempt):
+    """The checkpoints a new attempt of the job may resume from: those of its earlier
+    attempts' runs that retention has not deleted, the highest step first (then the newest):
+    [{"checkpoint_id", "path", "step"}]. The agent takes the first that exists on its host."""
+    rows = conn.execute(
+        "SELECT c.id, c.path, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id"
+        " WHERE r.job_id = ? AND r.attempt < ? AND c.deleted_at IS NULL"
+        " ORDER BY c.step IS NULL, c.step DESC, c.updated_at DESC, c.id DESC LIMIT ?",
+        (job_id, attempt, RESUME_CANDIDATES)).fetchall()
+    return [{"checkpoint_id": r[0], "path": r[1], "step": r[2]} for r in rows]
+
+
+def of_job(conn, checkpoint_id, job_id):
+    """Whether the checkpoint belongs to a run of the job."""
+    return conn.execute("SELECT 1 FROM checkpoints c JOIN runs r ON r.id = c.run_id"
+                        " WHERE c.id = ? AND r.job_id = ?", (checkpoint_id, job_id)
+                        ).fetchone() is not None
 
 
 _SELECT = ("SELECT c.*, r.project, r.experiment, r.job_id FROM checkpoints c"

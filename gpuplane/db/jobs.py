@@ -29,6 +29,7 @@ def to_dict(row):
     d["held"] = bool(d.get("held"))
     d["config"] = loads(d.get("config"), {})
     d["stop_reason"] = loads(d.get("stop_reason"))
+    d["resume"] = bool(d.get("resume"))
     return d
 
 
@@ -151,7 +152,7 @@ def set_waiting_in_slurm(conn, job_id, attempt, reason):
 def set_requeued(conn, job_id, failure_kind, exit_code, message):
     """An attempt was lost: back in the queue for the next one."""
     conn.execute(
-        "UPDATE jobs SET state = 'QUEUED', node = NULL, gpu_indices = NULL,"
+        "UPDATE jobs SET state = 'QUEUED', node = NULL, gpu_indices = NULL, resume = 1,"
         " failure_kind = ?, exit_code = ?, message = ? WHERE id = ?",
         (failure_kind, exit_code, message, job_id))
 
@@ -205,9 +206,9 @@ def set_queued_fields(conn, job_id, priority=None, depends_on=None, depends_any=
         conn.execute("UPDATE jobs SET depends_any = ? WHERE id = ?", (int(depends_any), job_id))
 
 
-def set_queued_by_hand(conn, job_id, ts):
+def set_queued_by_hand(conn, job_id, ts, resume=False):
     conn.execute("UPDATE jobs SET state = 'QUEUED', cancel_requested = 0, node = NULL,"
-                 " stop_reason = NULL,"
+                 " stop_reason = NULL, resume = ?,"
                  " gpu_indices = NULL, failure_kind = NULL, exit_code = NULL,"
                  " message = NULL, ended_at = NULL, queued_at = ?, max_attempts ="
-                 " MAX(max_attempts, attempt + 1) WHERE id = ?", (ts, job_id))
+                 " MAX(max_attempts, attempt + 1) WHERE id = ?", (int(resume), ts, job_id))

@@ -64,6 +64,10 @@ def set_slurm_job_id(conn, job_id, attempt, slurm_job_id):
                  (str(slurm_job_id), job_id, attempt))
 
 
+def set_resumed_from(conn, run_id, checkpoint_id):
+    conn.execute("UPDATE runs SET resumed_from = ? WHERE id = ?", (checkpoint_id, run_id))
+
+
 def mark_running(conn, run_id, ts=None):
     conn.execute("UPDATE runs SET state = 'RUNNING', started_at = COALESCE(started_at, ?)"
                  " WHERE id = ? AND state = 'STARTING'", (ts or now_ms(), run_id))
