@@ -11,39 +11,9 @@ import struct
 import sys
 import time
 
-import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from fake_server import FakeServer  # noqa: E402
-from procs import AgentProc, kill_leftover_jobs  # noqa: E402
 
 PY = sys.executable
-
-
-@pytest.fixture
-def fake_server():
-    s = FakeServer(heartbeat_s=0.5, keep_points=False)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def agent_proc(tmp_path, fake_server):
-    made = []
-
-    def make(name="box", extra=()):
-        a = AgentProc(fake_server, tmp_path / f"agent-{name}", name, 1, 4,
-                      ["--heartbeat", "0.5", *extra])
-        made.append(a)
-        a.start(wait=False)
-        fake_server.wait_for(lambda: fake_server.syncs, what=f"agent {name} synced "
-                             f"(log {a.log_path})")
-        return a
-    yield make
-    for a in made:
-        a.stop()
-        kill_leftover_jobs(a.home)
 
 
 def start_msg(job_id, command, working_dir, **extra):

@@ -10,10 +10,8 @@ import subprocess
 import sys
 import threading
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import agent  # noqa: E402
+import agent
+from agentutil import ROOT
 
 SOURCE = open(os.path.join(ROOT, "agent.py")).read()
 RULE = "# " + "-" * 87
