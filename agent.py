@@ -197,7 +197,8 @@ class Config:
                  job_retention_days=DEFAULT_RETENTION_DAYS, backlog_mb=DEFAULT_BACKLOG_MB,
                  default_image=None, docker_args=(), docker="docker",
                  runner="process", slurm_partition=None, slurm_account=None, slurm_qos=None,
-                 slurm_time_limit=None, sbatch_args=(), slurm_max_jobs=DEFAULT_SLURM_MAX_JOBS):
+                 slurm_time_limit=None, sbatch_args=(), slurm_max_jobs=DEFAULT_SLURM_MAX_JOBS,
+                 run_as=None):
         self.server = server
         self.token = token
         self.name = name
@@ -232,10 +233,33 @@ class Config:
                               '["--constraint=a100", "--exclusive"]')
         self.sbatch_args = list(sbatch_args)
         self.slurm_max_jobs = _number("slurm_max_jobs", slurm_max_jobs, int, 1)
+        self.run_as = run_as_user(run_as) if run_as else None
 
     @property
     def agent_dir(self):
         return os.path.join(self.home, "agent")
+
+
+def run_as_user(name):
+    """(name, uid, gid, home, setpriv) of the Unix user `run_as` names, or ConfigError: jobs
+    run as that user, so they cannot read the agent's home (its token, spool, other
+    attempts' start records) nor each other's files if each trust domain has its own user
+    (docs/security.md). The agent must be root to switch users."""
+    import pwd
+    try:
+        pw = pwd.getpwnam(str(name))
+    except KeyError:
+        raise ConfigError(f"run_as = {name!r}: no such user on this host; create it "
+                          "(useradd --system --create-home NAME) or fix the name") from None
+    if pw.pw_uid == 0:
+        raise ConfigError("run_as names root; name an unprivileged user")
+    if os.geteuid() != 0:
+        raise ConfigError(f"run_as = {name!r} needs the agent to run as root (it switches "
+                          "each job to that user); run the agent as root, or drop run_as")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise ConfigError("run_as needs setpriv (util-linux) on PATH")
+    return (pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir, setpriv)
 
 
 def default_home():
@@ -275,6 +299,10 @@ def build_parser():
     p.add_argument("--slurm-max-jobs", type=int, metavar="N",
                    help="jobs this agent may have in Slurm at once, pending or running "
                         f"(default {DEFAULT_SLURM_MAX_JOBS}): the node's slots")
+    p.add_argument("--run-as", metavar="USER",
+                   help="run every job as this Unix user (the agent runs as root), so jobs "
+                        "cannot read the agent's token, spool or other jobs' start records "
+                        "(docs/security.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -320,7 +348,8 @@ def load_config(args):
                   slurm_time_limit=pick(args.slurm_time_limit, "slurm_time_limit"),
                   sbatch_args=pick(args.sbatch_args, "sbatch_args", []),
                   slurm_max_jobs=pick(args.slurm_max_jobs, "slurm_max_jobs",
-                                      DEFAULT_SLURM_MAX_JOBS))
+                                      DEFAULT_SLURM_MAX_JOBS),
+                  run_as=pick(getattr(args, "run_as", None), "run_as"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -837,6 +866,15 @@ def resume_environment(resume):
     if isinstance(resume.get("step"), int):
         env["GPUCTL_RESUME_STEP"] = str(resume["step"])
     return env
+
+
+def as_user(run_as, argv, env):
+    """The exec of a job run as another user (--run-as): setpriv switches uid, gid and
+    groups and drops every capability before it execs the command."""
+    name, uid, gid, home, setpriv = run_as
+    env = dict(env, USER=name, LOGNAME=name, HOME=home)
+    return ([setpriv, f"--reuid={uid}", f"--regid={gid}", "--init-groups",
+             "--inh-caps=-all", "--bounding-set=-all", "--", *argv], setpriv, env)
 
 
 def shim_environment():
@@ -2232,6 +2270,7 @@ class Reporter:
             rec["resumed_from"] = att.resumed_from
         self.outbox.append("job", rec, att={"key": att.key, "running": True})
         att.running_reported = True
+        scrub_start_record(att.file("spec.json"))
 
     def queued_in_slurm(self, att, reason):
         """Slurm holds the job PENDING (and why): the server shows it queued in Slurm."""
@@ -2264,8 +2303,9 @@ class Runner(Worker):
     def __init__(self, agent_dir, outbox, kill_grace_s=KILL_GRACE_S, server_url=None,
                  hook_interval_s=HOOK_INTERVAL_S, secrets=(),
                  backlog_max_bytes=BACKLOG_MAX_BYTES, retention_days=DEFAULT_RETENTION_DAYS,
-                 ckpt_interval_s=CKPT_INTERVAL_S, docker=None, slurm=None):
+                 ckpt_interval_s=CKPT_INTERVAL_S, docker=None, slurm=None, run_as=None):
         super().__init__()
+        self.run_as = run_as               # (name, uid, gid, home, setpriv) or None
         self.docker = docker or Docker(socket.gethostname())
         self.jobs_dir = os.path.join(agent_dir, "jobs")
         self.dirs = AttemptDirs(self.jobs_dir)
@@ -2481,6 +2521,8 @@ class Runner(Worker):
                 spec["container"] = self.docker.name(job_id, attempt)
             else:
                 argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
+                if self.run_as is not None:
+                    argv, exe, env = as_user(self.run_as, argv, env)
                 spec["exec"] = {"argv": argv, "executable": exe,
                                 "cwd": msg["working_dir"], "env": env}
         except ValueError as e:
@@ -2703,6 +2745,27 @@ def _shim_ctime(pid):
             return psutil.Process(pid).create_time()
         except Exception:
             return None
+
+
+def scrub_start_record(path):
+    """Once its job runs, an attempt's spec.json keeps no secret: the ingest token and the
+    env values go (the job has them; nothing reads them from here again), so a job of the
+    agent's user reading other attempts' files finds no token and no env value there."""
+    spec = read_json(path)
+    if not isinstance(spec, dict):
+        return
+    start = spec.get("start") or {}
+    if "ingest_token" not in start and not (spec.get("exec") or {}).get("env"):
+        return
+    start.pop("ingest_token", None)
+    if isinstance(start.get("env"), dict):
+        start["env"] = {k: "<redacted>" for k in start["env"]}
+    if isinstance(spec.get("exec"), dict):
+        spec["exec"].pop("env", None)
+    try:
+        write_json_atomic(path, spec, private=True)
+    except OSError as e:
+        log.warning("cannot rewrite %s without its secrets: %s", path, e)
 
 
 def _shim_start(path, packed, shim_pid):
@@ -3679,7 +3742,7 @@ class Agent:
                              server_url=http.rstrip("/"), secrets=(config.token,),
                              backlog_max_bytes=int(config.backlog_mb * 2**20),
                              retention_days=config.job_retention_days, docker=docker,
-                             slurm=slurm)
+                             slurm=slurm, run_as=config.run_as)
         # A Slurm agent's GPUs are the cluster's: the login node's own are not slots, and
         # a job's GPU metrics come from the job (docs/slurm.md)
         self.probe = GpuProbe(0 if slurm else config.fake_gpus, config.name,
