@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -97,8 +98,21 @@ class LogsOut(Out):
 
 
 class RunsOut(Out):
-    runs: list[dict[str, Any]]
+    runs: list[dict[str, Any]] = Field(
+        description="[{id, name, state, kind, job_id, project, experiment, params, "
+                    "best_evaluation {key, value, checkpoint_id, step} (trainings), "
+                    "parent_checkpoint_id (evaluations), exit_code, failure_kind, "
+                    "started_at, ended_at}], newest first")
     count: int
+
+
+class TableOut(Out):
+    columns: list[str] = Field(description="'step', then 'RUN:KEY' for each run and metric")
+    rows: list[list[float | int | str | None]] = Field(
+        description="one per step: the step, then each column's value at it (the last "
+                    "point at or before the step; null: none)")
+    at: str
+    summary: str
 
 
 class RunOut(Out):
@@ -111,8 +125,11 @@ class RunOut(Out):
 class MetricSummaryOut(Out):
     run_id: int
     keys: list[dict[str, Any]] = Field(
-        description="per metric: key, count, latest {step, value}, best {step, value}, "
-                    "direction (min|max), trend (improving|worsening|flat|unknown)")
+        description="per metric: key, role (train|eval|system|other), count, latest {step, "
+                    "value}, best {step, value}, direction (min|max|null: unknown, never "
+                    "judged), trend (improving|worsening|flat|unknown)")
+    system_left_out: int = Field(0, description="system series not shown "
+                                                "(include_system=true shows them)")
 
 
 class MetricSeriesOut(Out):
@@ -162,6 +179,7 @@ class WaitedJob(Out):
     state: str
     run_id: int | None = Field(None, description="the run of its current attempt")
     checkpoint_id: int | None = Field(None, description="an evaluation's checkpoint")
+    trained_run_id: int | None = Field(None, description="the run that saved it")
     exit_code: int | None = None
     failure_kind: str | None = None
 
@@ -210,9 +228,15 @@ class CompareCheckpointsOut(Out):
 
 
 class BestCheckpointOut(Out):
-    checkpoint: dict[str, Any] | None
+    checkpoint: dict[str, Any] | None = Field(
+        description="the pick: checkpoint_id, run_id, step, path, value, source (evaluation "
+                    "or training), and every result of its evaluation")
     runner_up: dict[str, Any] | None = None
     margin: float | None = None
+    noise: float | None = Field(None, description="how much a value moves between "
+                                                  "checkpoints of a run (null: too few)")
+    significant: bool | None = Field(None, description="whether the margin is beyond the "
+                                                       "noise (null: unknown)")
     reason: str
     next_actions: list[NextAction] = []
 
@@ -299,7 +323,7 @@ class Gpuplane:
         if (e.status == 404 and e.message.startswith("no such route")) or e.status == 405:
             return ToolFailure(f"this GPUPlane server cannot answer {tool} yet (its REST API "
                                "has no such route); upgrade the server")
-        return ToolFailure(f"{e.code}: {e.message}")
+        return ToolFailure(f"{e.code}: {_in_mcp_words(e.message)}")
 
     def need_write(self, tool):
         who = self.whoami()
@@ -337,7 +361,72 @@ class Gpuplane:
 
     def get_job(self, job_id):
         job = self.client.get_job(job_id)
-        return dict(job, next_actions=na.after_job(job))
+        return dict(job, next_actions=na.after_job(job, trained=self._trained(job)))
+
+    def _trained(self, job):
+        """The run whose checkpoint an EVALUATE job scores (None for a training)."""
+        if job.get("kind") != "EVALUATE" or not job.get("parent_checkpoint_id"):
+            return None
+        try:
+            return self.client.get_checkpoint(job["parent_checkpoint_id"])["run_id"]
+        except ApiError:
+            return None
+
+    def list_runs(self, a):
+        kind = {"train": "TRAIN", "evaluation": "EVALUATE", "all": None}[a.kind]
+        rows = self.client.list_runs(project=a.project, experiment=a.experiment,
+                                     job_id=a.job_id, limit=a.limit, kind=kind,
+                                     best_evaluation=kind != "EVALUATE")
+        keep = ("id", "name", "state", "kind", "job_id", "project", "experiment", "params",
+                "best_evaluation", "parent_checkpoint_id", "exit_code", "failure_kind",
+                "started_at", "ended_at")
+        # the raw config and bookkeeping flags stay with get_run: a list says what differs
+        return {"runs": [{k: r.get(k) for k in keep
+                          if r.get(k) is not None or k == "best_evaluation" and
+                          r.get("kind") == "TRAIN"} for r in rows], "count": len(rows)}
+
+    def get_metric_summary(self, run_id, include_system=False):
+        keys = self.client.list_run_metrics(run_id)
+        shown = [k for k in keys if include_system or k.get("role") != "system"]
+        return {"run_id": run_id, "keys": shown, "system_left_out": len(keys) - len(shown)}
+
+    def get_metric_table(self, a):
+        run_ids = list(dict.fromkeys(a.run_ids))
+        summaries = {r: self.client.list_run_metrics(r) for r in run_ids}
+        keys = a.keys or sorted({k["key"] for ks in summaries.values() for k in ks
+                                 if k.get("role") == "eval"})
+        if not keys:
+            raise ToolFailure(f"runs {run_ids} log no eval metric; give keys=[...] "
+                              "(get_metric_summary lists a run's metrics)")
+        have = {r: {k["key"] for k in ks} for r, ks in summaries.items()}
+        missing = [k for k in keys if not any(k in h for h in have.values())]
+        if missing:
+            raise ToolFailure(f"no run among {run_ids} logs {', '.join(missing)}; give keys "
+                              "that get_metric_summary lists")
+        series = {}
+        for key in keys:
+            for s in self.client.list_metric_series(run_ids, key, max_points=10000)["series"]:
+                series[(s["run_id"], key)] = [(p[0], p[4]) for p in s.get("points") or []]
+        if a.at == "checkpoints":
+            steps = sorted({c["step"] for r in run_ids for c in
+                            self.client.list_checkpoints(run=r)["checkpoints"]
+                            if c.get("step") is not None})
+        else:
+            steps = sorted({st for (r, k), pts in series.items()
+                            if k in keys and len(pts) <= 10000 for st, _ in pts})
+        steps = steps[-a.max_rows:]
+        columns = [(r, k) for r in run_ids for k in keys if k in have[r]]
+        rows = []
+        for step in steps:
+            row = [step]
+            for col in columns:
+                pts = series.get(col) or []
+                prior = [v for st, v in pts if st <= step]
+                row.append(prior[-1] if prior else None)
+            rows.append(row)
+        return {"columns": ["step"] + [f"{r}:{k}" for r, k in columns], "rows": rows,
+                "at": a.at, "summary": f"{len(rows)} steps x {len(columns)} run metrics "
+                                       f"({', '.join(keys)})"}
 
     def list_checkpoints(self, run_id):
         return {"run_id": run_id,
@@ -370,7 +459,8 @@ class Gpuplane:
         return {"job_id": job_id, "state": state, "reached": reached, "timed_out": not reached,
                 "waited_s": round(time.monotonic() - start, 2), "events": seen,
                 "events_total": total, "run_id": job.get("run_id"),
-                "next_actions": na.after_job(job, timeout_s, until)}
+                "next_actions": na.after_job(job, timeout_s, until,
+                                             trained=self._trained(job))}
 
     def wait_for_jobs(self, job_ids, mode="all", timeout_s=600):
         start = time.monotonic()
@@ -384,6 +474,7 @@ class Gpuplane:
         rows = [{"job_id": j["id"], "name": j.get("name"), "kind": j.get("kind"),
                  "state": j["state"], "run_id": j.get("run_id"),
                  "checkpoint_id": j.get("parent_checkpoint_id"),
+                 "trained_run_id": self._trained(j),
                  "exit_code": j.get("exit_code"), "failure_kind": j.get("failure_kind"),
                  "project": j.get("project"), "experiment": j.get("experiment") or None}
                 for j in jobs]
@@ -474,6 +565,32 @@ class Gpuplane:
         return data
 
 
+# The server's sentences name CLI commands; an agent here has the tools. Each known
+# command becomes the tool (and arguments) that does the same.
+_CLI_TO_TOOL = [
+    (r"list (?:them|runs|jobs) with `gpuplane (run|job) list`",
+     lambda m: f"list_{m[1]}s lists them"),
+    (r"`gpuplane run list`", "list_runs"), (r"`gpuplane job list`", "list_jobs"),
+    (r"`gpuplane status`", "get_status"),
+    (r"`gpuplane job cancel (\d+)`", lambda m: f"cancel_job with job_id={m[1]}"),
+    (r"(?:list them with )?`gpuplane (?:project|exp) list[^`]*`",
+     "list_runs (each run names its project and experiment)"),
+    (r"\(?create it with `gpuplane (?:project|exp) create[^`]*`\)?",
+     "(set_primary_metric with project and experiment creates it, and so does submit_job)"),
+    (r"`gpuplane ckpt (?:list|show ID)`", "list_checkpoints with a run_id"),
+    (r"`gpuplane metric list`", "get_best_checkpoint (its metric says which is primary)"),
+    (r"`gpuplane ckpt evaluate (\d+) -- python eval.py`",
+     lambda m: f"evaluate_checkpoint with checkpoint_id={m[1]} and command=[...]"),
+    (r"--eval-command", "eval_command"),
+]
+
+
+def _in_mcp_words(message):
+    for pattern, repl in _CLI_TO_TOOL:
+        message = re.sub(pattern, repl, message)
+    return message
+
+
 # -- the tool table ----------------------------------------------------------------------------
 
 OBSERVE, WAIT, CONTROL, SEMANTIC = "observe", "wait", "control", "semantic"
@@ -515,7 +632,28 @@ class ListRunsIn(In):
     project: Annotated[str | None, Field(description="only runs of this project")] = None
     experiment: Annotated[str | None, Field(description="only runs of this experiment")] = None
     job_id: Annotated[int | None, Field(description="only the runs (attempts) of this job")] = None
+    kind: Annotated[Literal["train", "evaluation", "all"], Field(
+        description="'train': the trainings, each with its best evaluation; 'evaluation': "
+                    "the runs of evaluate_checkpoint jobs; 'all'")] = "train"
     limit: Limit = 50
+
+
+class SummaryIn(In):
+    run_id: RunId
+    include_system: Annotated[bool, Field(description="also the system series (GPU "
+                                                      "utilisation, memory, ...)")] = False
+
+
+class TableIn(In):
+    run_ids: Annotated[list[int], Field(description="the runs, e.g. a sweep's", min_length=1,
+                                        max_length=20)]
+    keys: Annotated[list[str] | None, Field(
+        description="the metrics (default: the runs' eval metrics)")] = None
+    at: Annotated[Literal["eval", "checkpoints"], Field(
+        description="'eval': one row per step where an eval metric was logged; "
+                    "'checkpoints': one row per step where a checkpoint was saved")] = "eval"
+    max_rows: Annotated[int, Field(description="at most this many rows (the last ones)",
+                                   ge=1, le=500)] = 100
 
 
 class SeriesIn(In):
@@ -730,19 +868,25 @@ TOOLS = [
          LogsIn, LogsOut,
          lambda gp, a: dict(gp.client.get_job_logs(a.job_id, tail=a.tail), job_id=a.job_id)),
     Tool("list_runs", OBSERVE,
-         "Runs (one per job attempt, or registered by the SDK), newest first, with state and "
-         "config (hyperparameters).",
-         ListRunsIn, RunsOut,
-         lambda gp, a: _counted("runs", gp.client.list_runs(
-             project=a.project, experiment=a.experiment, job_id=a.job_id, limit=a.limit))),
+         "Runs (one per job attempt, or registered by the SDK), newest first: the trainings "
+         "by default, each with its params (hyperparameters from its command line and "
+         "config, paths and bookkeeping flags left out) and its best evaluation; "
+         "kind='evaluation' lists the runs of evaluations instead.",
+         ListRunsIn, RunsOut, lambda gp, a: gp.list_runs(a)),
     Tool("get_run", OBSERVE,
-         "One run: state, job, node, GPUs, config, exit code, failure kind, times.",
+         "One run: state, kind (TRAIN or EVALUATE, with the checkpoint it evaluated), job, "
+         "node, GPUs, params, bookkeeping flags, config, exit code, failure kind, times.",
          RunArg, RunOut, lambda gp, a: gp.client.get_run(a.run_id)),
     Tool("get_metric_summary", OBSERVE,
-         "Per metric of a run: latest value, best value and its step (by the metric's "
-         "direction), trend and point count. Cheap whatever the run's length.",
-         RunArg, MetricSummaryOut,
-         lambda gp, a: {"run_id": a.run_id, "keys": gp.client.list_run_metrics(a.run_id)}),
+         "Per metric of a run: its role, latest value, best value and its step (by the "
+         "metric's direction), trend and point count; system series (GPU utilisation, ...) "
+         "only with include_system. Cheap whatever the run's length.",
+         SummaryIn, MetricSummaryOut,
+         lambda gp, a: gp.get_metric_summary(a.run_id, a.include_system)),
+    Tool("get_metric_table", OBSERVE,
+         "Several runs' metrics side by side, one row per eval step (or per checkpoint "
+         "step): the table to read a sweep epoch by epoch without pulling curves.",
+         TableIn, TableOut, lambda gp, a: gp.get_metric_table(a)),
     Tool("get_metric_series", OBSERVE,
          "A metric's curve downsampled to at most max_points buckets of "
          "[step, min, max, mean, last, count]; non-finite values come as \"NaN\"/\"Infinity\"; "

@@ -376,9 +376,13 @@ class Client:
                                            "name": name, "config": config, "source": source})
 
     @route("GET", "runs")
-    def list_runs(self, project=None, experiment=None, job_id=None, limit=None):
-        return self._get("runs", project=project, experiment=experiment,
-                         job_id=job_id, limit=limit)["runs"]
+    def list_runs(self, project=None, experiment=None, job_id=None, limit=None, kind=None,
+                  best_evaluation=False, key=None):
+        """kind: TRAIN or EVALUATE only; best_evaluation: each training run's best
+        evaluated checkpoint by `key` (else its scope's primary metric)."""
+        return self._get("runs", project=project, experiment=experiment, job_id=job_id,
+                         limit=limit, kind=kind, best_evaluation=1 if best_evaluation else None,
+                         key=key)["runs"]
 
     @route("GET", "runs/{id}")
     def get_run(self, run_id):
@@ -404,6 +408,13 @@ class Client:
         hold `?`, `#`, spaces or any other character."""
         return self._get(f"runs/{run_id}/metrics/{quote(key)}", max_points=max_points,
                          from_step=from_step, to_step=to_step)
+
+    @route("GET", "metrics/series")
+    def list_metric_series(self, run_ids, key, max_points=None):
+        """One key's downsampled series of several runs: {"key", "series": [{"run_id",
+        "points", "ts", "missing"?}]}."""
+        return self._get("metrics/series", runs=",".join(map(str, run_ids)), key=key,
+                         max_points=max_points)
 
     @route("GET", "runs/{id}/diagnosis")
     def get_run_diagnosis(self, run_id, key=None):

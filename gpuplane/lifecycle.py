@@ -162,7 +162,9 @@ class Lifecycle:
                                  project=job["project"], experiment=job["experiment"],
                                  name=job["name"], job_id=job_id, attempt=attempt, node=node,
                                  gpu_indices=gpu_indices,
-                                 config={"command": job["command"], **job["config"]})
+                                 config={"command": job["command"], **job["config"]},
+                                 kind=job["kind"],
+                                 parent_checkpoint_id=job.get("parent_checkpoint_id"))
             _, secret = tokens.add(t.conn, f"run {run_id}", "ingest", run_id=run_id)
             jobs.set_dispatched(t.conn, job_id, attempt, node, gpu_indices, run_id)
             job = jobs.fetch(t.conn, job_id)

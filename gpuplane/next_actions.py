@@ -27,11 +27,23 @@ def resubmit(job, why):
                    experiment=job.get("experiment") or None)]
 
 
-def after_job(job, timeout_s=300, until="end"):
-    """What to do with a job in the state it is in (get_job, wait_for_job)."""
+def after_job(job, timeout_s=300, until="end", trained=None):
+    """What to do with a job in the state it is in (get_job, wait_for_job). An evaluation
+    (`trained`: the run whose checkpoint it scored) points at that checkpoint's ranking,
+    not at its own run."""
     state, job_id, run_id = job["state"], job["id"], job.get("run_id")
     if state == "FAILED":
         return [action("explain_failure", "find out why it failed", job_id=job_id)]
+    if state == "SUCCEEDED" and job.get("kind") == "EVALUATE":
+        acts = []
+        if trained:
+            acts.append(action("compare_checkpoints", "rank the run's checkpoints with this "
+                               "evaluation in", run_ids=[trained]))
+        if job.get("project"):
+            acts.append(action("get_best_checkpoint", "the checkpoint to keep in the "
+                               "experiment", project=job["project"],
+                               experiment=job.get("experiment") or None))
+        return acts
     if state == "SUCCEEDED" and run_id:
         return [action("diagnose_run", "judge the finished run", run_id=run_id),
                 action("list_checkpoints", "see what it saved", run_id=run_id)]
@@ -62,6 +74,11 @@ def after_jobs(jobs, pending, timeout_s=600, mode="all"):
                            run_ids=trained[:20]))
     elif trained:
         acts.append(action("diagnose_run", "judge the finished run", run_id=trained[0]))
+    scored = sorted({j["trained_run_id"] for j in done
+                     if j.get("kind") == "EVALUATE" and j.get("trained_run_id")})
+    if scored:
+        acts.append(action("compare_checkpoints", "rank the evaluated checkpoints of those "
+                           "runs", run_ids=scored[:20]))
     scopes = {(j.get("project"), j.get("experiment")) for j in done
               if j.get("kind") == "EVALUATE" and j.get("project")}
     for project, experiment in sorted(scopes, key=str)[:3]:

@@ -58,8 +58,11 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
         q = {"run_id": run_id}
     else:
         q = {"project": project, "experiment": experiment}
-    key, d, metric = resolve_metric(db, key, project, experiment,
-                                    keys_of_scope=lambda: checkpoints.scope_keys(db, **q))
+    # no primary metric defined: guess from what the evaluations logged, else the trainings
+    key, d, metric = resolve_metric(
+        db, key, project, experiment,
+        keys_of_scope=lambda: checkpoints.evaluated_keys(db, project, experiment)
+        or checkpoints.scope_keys(db, **q))
     if sweep is not None and key is not None and key == sweep["spec"].get("metric") \
             and sweep["spec"].get("direction"):
         d = metric["direction"] = sweep["spec"]["direction"]
@@ -95,6 +98,11 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
              "training": {key: c["training"]} if c["training"] is not None else {}}
             for c in chosen]
     best = semantic.get_best_checkpoint(rows, key, d)
+    for pick in (best.get("checkpoint"), best.get("runner_up")):
+        if pick and pick["source"] == "evaluation":
+            # every result of the deciding evaluation, not only the ranking metric's
+            results = checkpoints.latest_results(db, pick["checkpoint_id"]) or {}
+            pick["evaluation"] = {k: _encode(v) for k, v in results.items()}
     best.update(scope=scope, metric=metric, candidates=len(cands),
                 evaluated=sum(1 for c in cands if c["evaluation"] is not None))
     if metric["primary_from"] == "guess":
@@ -118,13 +126,48 @@ def overlay(db, run_ids, key, max_points=500):
                      for rid, pts in series.items()]}
 
 
+def _best_evaluated(db, key, d, project, experiment):
+    """{run_id: {"value", "checkpoint_id", "step"}}: each run's best evaluation result of
+    `key` among its checkpoints, by direction d."""
+    sign = 1 if d == "min" else -1
+    evaluated = {}
+    for c in checkpoints.candidates(db, key, project=project, experiment=experiment):
+        v = c["evaluation"]
+        if v is not None and v == v:
+            old = evaluated.get(c["run_id"])
+            if old is None or sign * v < sign * old["value"]:
+                evaluated[c["run_id"]] = {"value": v, "checkpoint_id": c["id"],
+                                          "step": c["step"]}
+    return evaluated
+
+
+def with_best_evaluation(db, rs, key=None):
+    """The runs, each TRAIN run with `best_evaluation`: {"key", "value", "checkpoint_id",
+    "step"} of its best evaluated checkpoint by `key` (else its scope's primary metric,
+    else a guess from the evaluations' keys), or None when none was evaluated."""
+    scopes = {}
+    for r in rs:
+        if r.get("kind", "TRAIN") == "TRAIN":
+            scopes.setdefault((r["project"], r["experiment"]), []).append(r["id"])
+    best = {}
+    for (project, experiment), ids in scopes.items():
+        k, d, _ = resolve_metric(db, key, project, experiment, keys_of_scope=lambda p=project,
+                                 e=experiment: checkpoints.evaluated_keys(db, p, e))
+        d = d or (k and semantic.direction(k))
+        if k is None or d is None:      # no metric, or one whose direction is unknown
+            continue
+        for run_id, v in _best_evaluated(db, k, d, project, experiment or None).items():
+            best[run_id] = {"key": k, "direction": d, **v,
+                            "value": metricwire.encode(v["value"])}
+    return [dict(r, best_evaluation=best.get(r["id"])) if r.get("kind", "TRAIN") == "TRAIN"
+            else r for r in rs]
+
+
 def leaderboard(db, project, experiment, key=None, limit=200):
     """The runs of an experiment, best first by the primary metric: a run's value is the
     best evaluation result among its checkpoints when it has one (as in recommend), else
     the best value it logged; runs with neither come last. EVALUATE runs are left out."""
-    rs = runs.list_runs(db, project=project, experiment=experiment, limit=limit)
-    evaluating = checkpoints.evaluation_runs(db, [r["id"] for r in rs])
-    rs = [r for r in rs if r["id"] not in evaluating]
+    rs = runs.list_runs(db, project=project, experiment=experiment, limit=limit, kind="TRAIN")
     def keys():
         return [(k, 1) for k in sorted({k for r in rs for k in metrics.key_names(db, r["id"])
                                         if not vocab.is_system(k)})]
@@ -137,14 +180,7 @@ def leaderboard(db, project, experiment, key=None, limit=200):
                 "reason": unknown_direction(key),
                 "runs": [{**r, "best": None, "best_evaluated": None} for r in rs]}
     sign = 1 if d == "min" else -1
-    evaluated = {}
-    for c in checkpoints.candidates(db, key, project=project, experiment=experiment):
-        v = c["evaluation"]
-        if v is not None and v == v:
-            old = evaluated.get(c["run_id"])
-            if old is None or sign * v < sign * old["value"]:
-                evaluated[c["run_id"]] = {"value": v, "checkpoint_id": c["id"],
-                                          "step": c["step"]}
+    evaluated = _best_evaluated(db, key, d, project, experiment)
     rows = []
     for r in rs:
         kid = metrics.key_id(db, r["id"], key)

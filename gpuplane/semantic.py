@@ -21,7 +21,7 @@ import math
 import re
 import statistics
 
-from . import vocab
+from . import params, vocab
 from .next_actions import action, resubmit
 
 # What a key means (its role, loss-like, its direction) is gpuplane/vocab.py's; these
@@ -495,9 +495,10 @@ def _compare_summary(top, diff):
 
 
 def config_diff(runs):
-    """{config key: {run_id: value}} for the keys whose values differ between the runs.
-    A job's command line counts as config: `--lr 0.01` is the key `lr`."""
-    configs = {r["id"]: settings(r.get("config") or {}) for r in runs}
+    """{param: {run_id: value}} for the hyperparameters whose values differ between the
+    runs (gpuplane/params.py: the command line's flags and the SDK's config; paths and
+    bookkeeping flags are not settings)."""
+    configs = {r["id"]: params.split(r.get("config") or {})[0] for r in runs}
     keys = set()
     for c in configs.values():
         keys |= set(c)
@@ -507,38 +508,6 @@ def config_diff(runs):
         if len({repr(v) for v in vals.values()}) > 1:
             out[k] = {str(i): v for i, v in vals.items()}
     return out
-
-
-def settings(config):
-    """The config with the `--flag value` pairs of its command line added as keys."""
-    out = dict(config)
-    argv = config.get("command")
-    if isinstance(argv, list):
-        i = 0
-        while i < len(argv):
-            a = argv[i] if isinstance(argv[i], str) else ""
-            if a.startswith("--") and len(a) > 2:
-                name, eq, value = a[2:].partition("=")
-                if not eq:
-                    nxt = argv[i + 1] if i + 1 < len(argv) else None
-                    if isinstance(nxt, str) and not nxt.startswith("--"):
-                        value, i = nxt, i + 1
-                    else:
-                        value = True
-                out.setdefault(name.replace("-", "_"), _scalar(value))
-            i += 1
-    return out
-
-
-def _scalar(v):
-    if not isinstance(v, str):
-        return v
-    for kind in (int, float):
-        try:
-            return kind(v)
-        except ValueError:
-            pass
-    return v
 
 
 # -- checkpoints -----------------------------------------------------------------------------
@@ -594,12 +563,23 @@ def get_best_checkpoint(checkpoints, key, direction):
     best = ranked[0]
     runner = ranked[1] if len(ranked) > 1 and ranked[1]["source"] == best["source"] else None
     margin = abs(best["value"] - runner["value"]) if runner else None
+    spread = checkpoint_noise([r for r in ranked if r["source"] == best["source"]])
+    significant = (None if spread is None or margin is None
+                   else margin > SIGNIFICANCE * math.sqrt(2) * spread)
     word = "lowest" if direction == "min" else "highest"
     reason = (f"checkpoint {best['checkpoint_id']} (run {best['run_id']}, step {best['step']}) "
               f"has the {word} {best['source']} {key}: {_fmt(best['value'])}")
     if runner:
         reason += (f", ahead of checkpoint {runner['checkpoint_id']} "
                    f"({_fmt(runner['value'])}) by {_fmt(margin)}")
+        if significant is None:
+            reason += (" (whether that is beyond the noise is unknown: it takes two or more "
+                       "checkpoints of a run with a value, three in all, to measure it)")
+        elif significant:
+            reason += f", beyond the noise ({_fmt(spread)} between checkpoints)"
+        else:
+            reason += (f", within the noise ({_fmt(spread)} between checkpoints): treat them "
+                       "as tied")
     else:
         reason += "; it has no runner-up with a comparable value"
     acts = cmp["next_actions"]
@@ -607,8 +587,29 @@ def get_best_checkpoint(checkpoints, key, direction):
         reason += (" — a training value; evaluate the candidates to decide on held-out "
                    "data")
     return {"key": key, "direction": direction, "checkpoint": best, "runner_up": runner,
-            "margin": margin, "source": best["source"], "reason": reason,
-            "ranked": ranked[:10], "next_actions": acts}
+            "margin": margin, "noise": spread, "significant": significant,
+            "source": best["source"], "reason": reason, "ranked": ranked[:10],
+            "next_actions": acts}
+
+
+SIGNIFICANCE = 2.0     # a margin beyond 2 x the noise of the difference of two values
+
+
+def checkpoint_noise(rows):
+    """How much a checkpoint's value moves from one checkpoint of its run to the next,
+    pooled over the runs (MAD of the step-to-step differences, as a standard deviation of
+    one value); None with fewer than three differences to go by."""
+    diffs = []
+    by_run = {}
+    for r in rows:
+        by_run.setdefault(r["run_id"], []).append(r)
+    for rs in by_run.values():
+        vals = [r["value"] for r in sorted(rs, key=lambda r: r["step"] or 0)]
+        diffs += [b - a for a, b in zip(vals, vals[1:])]
+    if len(diffs) < 3:
+        return None
+    med = statistics.median(diffs)
+    return statistics.median(abs(d - med) for d in diffs) * 1.4826 / math.sqrt(2)
 
 
 def nearest_value(points, step):

@@ -138,11 +138,16 @@ def test_definitions_resolve_experiment_then_project_then_global(api):
     # a new primary in the same scope takes the flag from the old one
     put({"key": "val/loss", "project": "p", "primary": True})
     assert api.get("/metric-definitions?project=p")["primary"]["key"] == "val/loss"
-    assert "no experiment 'nope'" in api.error(
-        "PUT", "/metric-definitions", {"key": "x", "project": "p", "experiment": "nope"},
-        status=404)
-    assert "does not exist" in api.error("PUT", "/metric-definitions",
-                                         {"key": "x", "project": "zz"}, status=404)
+    # The scope a definition names is created: a sweep's metric is set before its runs.
+    put({"key": "x", "project": "p", "experiment": "nope", "primary": True})
+    put({"key": "x", "project": "zz"})
+    assert api.get("/metric-definitions?project=p&experiment=nope")["primary"] == {
+        "key": "x", "from": "experiment"}
+    assert "zz" in [p["name"] for p in api.get("/projects")["projects"]]
+    assert "needs its project" in api.error("PUT", "/metric-definitions",
+                                            {"key": "x", "experiment": "e"})
+    assert "not usable" in api.error("PUT", "/metric-definitions",
+                                     {"key": "x", "project": "a/b"})
     api.error("PUT", "/metric-definitions", {"key": "x", "direction": "up"})
     api.call("DELETE", "/metric-definitions?key=val/loss&project=p")
     api.error("DELETE", "/metric-definitions?key=val/loss&project=p", status=404)

@@ -12,8 +12,8 @@ from procs import ROOT, free_port, wait_for
 EXAMPLE = ROOT / "examples" / "cpu"
 
 OBSERVE = {"get_status", "list_jobs", "get_job", "get_job_logs", "list_runs", "get_run",
-           "get_metric_summary", "get_metric_series", "list_checkpoints", "list_events",
-           "whoami"}
+           "get_metric_summary", "get_metric_series", "get_metric_table", "list_checkpoints",
+           "list_events", "whoami"}
 CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric"}
 SEMANTIC = {"diagnose_run", "compare_runs", "compare_checkpoints", "get_best_checkpoint",
             "explain_failure"}
@@ -403,7 +403,7 @@ def test_mcp_inspector_cli(live_server, tmp_path):
             assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
             out[k] = json.loads(r.stdout)
     tools = out["list"]["tools"]
-    assert len(tools) == 23 and all(t.get("outputSchema") for t in tools)
+    assert len(tools) == 24 and all(t.get("outputSchema") for t in tools)
     status = out["observe"]
     assert status["isError"] is False and "GPUs free" in status["structuredContent"]["summary"]
     d = out["semantic"]

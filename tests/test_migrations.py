@@ -94,7 +94,8 @@ def test_a_v7_database_gets_a_time_on_every_rollup_bucket(tmp_path):
     conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:7]) + "\nPRAGMA user_version=7;\nCOMMIT;")
     conn.execute("ATTACH ? AS ref", (str(tmp_path / "ref.db"),))
     v7_cols = "key_id, width, bucket, first_step, last_step, min, max, sum, count, vcount, last"
-    for table, cols in (("runs", "*"), ("metric_keys", "*"), ("points", "*"),
+    run_cols = ", ".join(r[1] for r in conn.execute("PRAGMA main.table_info(runs)"))
+    for table, cols in (("runs", run_cols), ("metric_keys", "*"), ("points", "*"),
                         ("metric_rollup", "*"), ("rollups", v7_cols)):
         if cols == "*":     # the v7 table's columns: later migrations add some
             cols = ", ".join(r[1] for r in conn.execute(f"PRAGMA main.table_info({table})"))
@@ -183,3 +184,34 @@ def test_a_v11_database_opens_with_resume_and_retention_columns(tmp_path):
     with db.read() as conn:
         assert checkpoints.resume_candidates(conn, 1, 2) == [
             {"checkpoint_id": 1, "path": "/w/c.pt", "step": 2}]
+
+
+def test_a_v12_database_marks_the_runs_of_evaluations(tmp_path):
+    """Schema v13 gave runs a kind: the run of an EVALUATE job written before is marked
+    EVALUATE with the checkpoint it scored; every other run is a TRAIN run."""
+    path = tmp_path / "gpuctl.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for i, sql in enumerate(MIGRATIONS[:12]):
+        conn.executescript("BEGIN;\n" + sql + f"\nPRAGMA user_version={i + 1};\nCOMMIT;")
+    conn.executescript("""
+        INSERT INTO jobs (id, name, command, working_dir, gpus, state, run_id, attempt,
+                          created_at, queued_at) VALUES
+            (1, 'train', '["python", "t.py"]', '/w', 1, 'SUCCEEDED', 1, 1, 1, 1);
+        INSERT INTO runs (id, job_id, attempt, source, state, name, created_at)
+            VALUES (1, 1, 1, 'job', 'SUCCEEDED', 'train', 1);
+        INSERT INTO checkpoints (id, run_id, path, step, created_at, updated_at)
+            VALUES (5, 1, '/w/c', 2, 2, 2);
+        INSERT INTO jobs (id, name, kind, command, working_dir, gpus, state, run_id, attempt,
+                          parent_checkpoint_id, created_at, queued_at) VALUES
+            (2, 'eval-ckpt5', 'EVALUATE', '["python", "e.py"]', '/w', 1, 'SUCCEEDED', 2, 1,
+             5, 3, 3);
+        INSERT INTO runs (id, job_id, attempt, source, state, name, created_at)
+            VALUES (2, 2, 1, 'job', 'SUCCEEDED', 'eval-ckpt5', 3),
+                   (3, NULL, NULL, 'sdk', 'SUCCEEDED', 'notebook', 4);
+    """)
+    conn.close()
+    db = Database(path)
+    assert db.query_one("PRAGMA user_version")[0] == len(MIGRATIONS)
+    got = {r["id"]: (r["kind"], r["parent_checkpoint_id"]) for r in runs.list_runs(db)}
+    assert got == {1: ("TRAIN", None), 2: ("EVALUATE", 5), 3: ("TRAIN", None)}
+    assert [r["id"] for r in runs.list_runs(db, kind="TRAIN")] == [3, 1]

@@ -236,8 +236,13 @@ def put_definition():
     key = field(data, "key", str, max_len=512)
     if not key:
         raise BadRequest("'key' must be a metric name, e.g. \"eval/loss\"")
-    project, experiment = _def_scope(field(data, "project", str, "", max_len=200),
-                                     field(data, "experiment", str, "", max_len=200))
+    project = field(data, "project", str, "", max_len=200) or ""
+    experiment = field(data, "experiment", str, "", max_len=200) or ""
+    if experiment and not project:
+        raise BadRequest("an experiment-scoped definition needs its project too")
+    for name, what in ((project, "project"), (experiment, "experiment")):
+        if name:
+            check_name(name, what)      # the scope is created if it does not exist yet
     direction = field(data, "direction", str, None, choices=("min", "max"), nullable=True)
     primary = field(data, "primary", bool, None, nullable=True)
     d = metric_defs.put(current_db(), key, project, experiment, direction=direction,

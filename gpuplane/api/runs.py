@@ -2,7 +2,7 @@
 
 from flask import Blueprint, current_app, request
 
-from .. import states
+from .. import recommend, states
 from ..auth import requires
 from ..db import dumps, events, now_ms, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -59,10 +59,20 @@ def list_runs():
             job_id = -1
         if not 0 <= job_id < 2**63:      # SQLite holds no larger integer
             raise BadRequest("'job_id' must be a job's number")
-    return {"runs": runs.list_runs(
+    kind = request.args.get("kind")
+    if kind is not None:
+        kind = kind.upper()
+        if kind not in ("TRAIN", "EVALUATE"):
+            raise BadRequest(f"'kind' must be TRAIN or EVALUATE, got {kind[:40]!r}")
+    rs = runs.list_runs(
         current_db(), project=request.args.get("project"), experiment=request.args.get("experiment"),
-        job_id=job_id, state=request.args.get("state"),
-        limit=query_int("limit", 100, min=1, max=10000))}
+        job_id=job_id, state=request.args.get("state"), kind=kind,
+        limit=query_int("limit", 100, min=1, max=10000))
+    if query_int("best_evaluation", 0, min=0, max=1):
+        # each training run's best evaluated checkpoint by the metric (?key=, else the
+        # scope's primary one)
+        rs = recommend.with_best_evaluation(current_db(), rs, request.args.get("key") or None)
+    return {"runs": rs}
 
 
 @bp.get("/runs/<int:run_id>")

@@ -112,9 +112,13 @@ def compare_checkpoints():
     first = bundles[0]["run"]
     # The key given, else the scope's primary metric definition, else a guess by name;
     # the direction from the metric definitions (docs/checkpoints.md).
+    # With no primary metric, the guess is among the keys the evaluations logged (the
+    # metric actually evaluated), else the runs' own.
+    evaluated = sorted({k for c in load.checkpoints(current_db(), run_ids, [])
+                        for k in (c["evaluation"] or {})})
     key, direction, metric = recommend.resolve_metric(
         current_db(), request.args.get("key") or None, first["project"], first["experiment"],
-        keys_of_scope=[(n, 1) for n in names])
+        keys_of_scope=[(n, 1) for n in evaluated or names])
     cks = load.checkpoints(current_db(), run_ids, [key] if key else [])
     if key and key not in names and not any(key in (c["evaluation"] or {}) for c in cks):
         raise BadRequest(f"no run among {run_ids} has the metric {key!r}, and no evaluation "
@@ -124,7 +128,8 @@ def compare_checkpoints():
         raise BadRequest(recommend.unknown_direction(key))
     result = semantic.compare_checkpoints(cks, key, direction)
     best = semantic.get_best_checkpoint(cks, key, direction)
-    result["recommendation"] = {k: best[k] for k in
-                                ("checkpoint", "runner_up", "margin", "source", "reason")}
+    result["recommendation"] = {k: best.get(k) for k in
+                                ("checkpoint", "runner_up", "margin", "noise", "significant",
+                                 "source", "reason")}
     result["metric"] = metric
     return _json(result)

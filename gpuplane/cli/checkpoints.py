@@ -86,6 +86,8 @@ def add_parser(subparsers):
                         parents=(conn, js, scope))
             p.add_argument("name")
             p.add_argument("--key", metavar="KEY", help="rank by this metric instead")
+            p.add_argument("--sort", metavar="PARAM",
+                           help="order by this parameter (a column) instead of the metric")
             p.set_defaults(func=cmd_exp_runs)
 
     # -- metric -------------------------------------------------------------------------
@@ -268,17 +270,36 @@ def cmd_exp_runs(args):
     m = out["metric"]
     if m.get("key"):
         note(f"ranked by {m['key']} ({m['direction']}, {m['primary_from']})")
+    runs = out["runs"]
+    # the parameters that differ between the runs, as columns (gpuplane/params.py)
+    names = sorted({k for r in runs for k in r.get("params") or {}})
+    cols = [k for k in names if len({repr((r.get("params") or {}).get(k)) for r in runs}) > 1]
+    if args.sort:
+        if args.sort not in names:
+            raise CliError(f"no run has the parameter {args.sort!r}; they have: "
+                           f"{', '.join(names) or 'none'}", code=2)
+        cols = [args.sort] + [c for c in cols if c != args.sort]
+        runs = sorted(runs, key=lambda r: _order((r.get("params") or {}).get(args.sort)))
     rows = []
-    for r in out["runs"]:
+    for r in runs:
         ev, tr = r.get("best_evaluated"), r.get("best")
         if ev:
-            rows.append((r["id"], r["name"], r["state"], _value(ev["value"]), ev["step"],
-                         f"evaluation of checkpoint {ev['checkpoint_id']}"))
+            best = (_value(ev["value"]), ev["step"], f"evaluation of checkpoint "
+                                                     f"{ev['checkpoint_id']}")
         else:
-            rows.append((r["id"], r["name"], r["state"], tr and _value(tr["value"]),
-                         tr and tr["step"], tr and "training"))
-    print_table(rows, ("RUN", "NAME", "STATE", "BEST", "AT STEP", "FROM"))
+            best = (tr and _value(tr["value"]), tr and tr["step"], tr and "training")
+        rows.append((r["id"], r["name"], r["state"], *best,
+                     *((r.get("params") or {}).get(c) for c in cols)))
+    print_table(rows, ("RUN", "NAME", "STATE", "BEST", "AT STEP", "FROM",
+                       *(c.upper() for c in cols)))
     return EXIT_OK
+
+
+def _order(v):
+    # numbers before text before missing, each in its own order
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, v, "")
+    return (1, 0, str(v)) if v is not None else (2, 0, "")
 
 
 # -- metric ------------------------------------------------------------------------------------

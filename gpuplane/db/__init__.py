@@ -431,9 +431,22 @@ ALTER TABLE checkpoints ADD COLUMN bytes_freed INTEGER;
 ALTER TABLE checkpoints ADD COLUMN keep_reason TEXT;
 """
 
+# A run says whether it is a training or an evaluation (of which checkpoint), as its job
+# does: run lists keep evaluations apart from the trainings they score. Runs of EVALUATE
+# jobs written before are marked from their job.
+SCHEMA_V13_RUN_KIND = """
+ALTER TABLE runs ADD COLUMN kind TEXT NOT NULL DEFAULT 'TRAIN';
+ALTER TABLE runs ADD COLUMN parent_checkpoint_id INTEGER;
+UPDATE runs SET kind = 'EVALUATE', parent_checkpoint_id = (
+    SELECT j.parent_checkpoint_id FROM jobs AS j WHERE j.id = runs.job_id)
+WHERE job_id IN (SELECT id FROM jobs WHERE kind = 'EVALUATE');
+CREATE INDEX runs_kind ON runs (kind, id);
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
-              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME]
+              SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
+              SCHEMA_V13_RUN_KIND]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

@@ -220,16 +220,16 @@ def get_evaluation(db, evaluation_id):
     return _evaluation(db, row) if row else None
 
 
-def evaluation_runs(db, run_ids):
-    """The ones among run_ids that are runs of EVALUATE jobs."""
-    out = set()
-    ids = list(run_ids)
-    for i in range(0, len(ids), 500):
-        part = ids[i:i + 500]
-        out.update(r[0] for r in db.query(
-            f"SELECT r.id FROM runs r JOIN jobs j ON j.id = r.job_id WHERE j.kind = 'EVALUATE'"
-            f" AND r.id IN ({','.join('?' * len(part))})", part))
-    return out
+def evaluated_keys(db, project, experiment):
+    """(key, count) of the metrics the evaluations of a scope's checkpoints logged."""
+    where, params = ["r.project = ?"], [project]
+    if experiment:
+        where.append("r.experiment = ?")
+        params.append(experiment)
+    return db.query(
+        "SELECT k.key, count(*) FROM runs r JOIN metric_keys k ON k.run_id = r.id"
+        f" WHERE r.kind = 'EVALUATE' AND {' AND '.join(where)} AND k.key NOT LIKE 'sys/%'"
+        " GROUP BY k.key ORDER BY k.key", params)
 
 
 # -- recommend --------------------------------------------------------------------------

@@ -5,7 +5,7 @@ experiment. What a key means in an experiment is resolved experiment -> project 
 global, and without any definition its direction comes from its name, else it is unknown
 (gpuplane/vocab.py decides; docs/metrics.md). One key at most is primary per scope.
 """
-from . import now_ms
+from . import now_ms, projects
 from .. import vocab
 
 
@@ -37,8 +37,11 @@ def get(db, key, project="", experiment=""):
 def put(db, key, project="", experiment="", *, direction=None, primary=None,
         description=None):
     """Create or change a definition; fields left None keep their value. Setting a key
-    primary clears the flag of the other keys of the same scope."""
+    primary clears the flag of the other keys of the same scope. A project or experiment
+    that does not exist yet is created: a sweep's metric is set before its first run."""
     with db.tx() as c:
+        if project:
+            projects.ensure(c, project, experiment)
         c.execute("INSERT OR IGNORE INTO metric_definitions (key, project, experiment,"
                   " updated_at) VALUES (?, ?, ?, ?)", (key, project, experiment, now_ms()))
         if primary:

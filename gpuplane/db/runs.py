@@ -1,5 +1,6 @@
 """Runs: one per job attempt, or registered by the SDK, or imported."""
 from .. import states
+from ..params import split as split_params
 from . import LimitExceeded, dumps, loads, now_ms, projects
 
 FINAL_STATES = states.RUN_FINAL
@@ -12,18 +13,23 @@ def to_dict(row):
     d["config"] = loads(d["config"], {})
     d["gpu_indices"] = loads(d["gpu_indices"])
     d["tags"] = loads(d.get("tags"), [])
+    # hyperparameters and bookkeeping, from its command line and config (gpuplane/params.py)
+    d["params"], d["bookkeeping"] = split_params(d["config"])
     return d
 
 
 def create(conn, *, source, state, project="default", experiment="", name="", config=None,
-           job_id=None, attempt=None, node=None, gpu_indices=None):
+           job_id=None, attempt=None, node=None, gpu_indices=None, kind="TRAIN",
+           parent_checkpoint_id=None):
+    """kind: TRAIN, or EVALUATE (the run of an evaluation of parent_checkpoint_id)."""
     projects.ensure(conn, project, experiment)
     cur = conn.execute(
         "INSERT INTO runs (job_id, attempt, source, state, project, experiment, name, config,"
-        " node, gpu_indices, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        " node, gpu_indices, created_at, started_at, kind, parent_checkpoint_id)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (job_id, attempt, source, state, project, experiment, name, dumps(config or {}),
          node, dumps(gpu_indices) if gpu_indices is not None else None, now_ms(),
-         now_ms() if state == states.RUNNING else None))
+         now_ms() if state == states.RUNNING else None, kind, parent_checkpoint_id))
     return cur.lastrowid
 
 
@@ -31,10 +37,12 @@ def get(db, run_id):
     return to_dict(db.query_one("SELECT * FROM runs WHERE id = ?", (run_id,)))
 
 
-def list_runs(db, project=None, experiment=None, job_id=None, state=None, limit=100):
+def list_runs(db, project=None, experiment=None, job_id=None, state=None, limit=100,
+              kind=None):
+    """Newest first; kind: only TRAIN or only EVALUATE runs."""
     where, params = [], []
     for col, val in (("project", project), ("experiment", experiment),
-                     ("job_id", job_id), ("state", state)):
+                     ("job_id", job_id), ("state", state), ("kind", kind)):
         if val is not None:
             where.append(f"{col} = ?")
             params.append(val)

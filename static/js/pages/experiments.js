@@ -1,5 +1,7 @@
-// Experiments: the runs of a project / experiment as a table sortable by their best value
-// of a metric, with config columns; tick runs to overlay their curves.
+// Experiments: the training runs of a project / experiment as a table sortable by their best
+// value of a metric, their best evaluation and their params (hyperparameters, paths and
+// bookkeeping flags left out); tick runs to overlay their curves. Evaluations are not rows:
+// each shows beside the training run whose checkpoint it scored.
 
 import { api, optional, canWrite } from "../api.js";
 import { h, replace, fmtNum, stateBadge } from "../dom.js";
@@ -9,7 +11,7 @@ import { errorBox } from "../app.js";
 const uPlot = window.uPlot;
 
 export async function render(root, _params, query) {
-  const runs = (await api("/runs?limit=1000")).runs;
+  const runs = (await api("/runs?limit=1000&kind=TRAIN")).runs;
   const groups = [...new Set(runs.map((r) => `${r.project}\u0000${r.experiment || ""}`))].sort();
   const pick = h("select", { id: "x-group", "aria-label": "Experiment" },
     groups.map((g) => {
@@ -37,6 +39,7 @@ export async function render(root, _params, query) {
     h("h2", { text: "Projects and experiments" }), projectsEl);
 
   let rows = [];             // {run, summary: {key: keySummary}}
+  let evals = {};            // run id -> its best evaluation by the chosen metric
   const selected = new Set();
   let sort = { col: "best", dir: 1 };
   let overlay = null;
@@ -56,8 +59,18 @@ export async function render(root, _params, query) {
     keySel.value = keys.includes(cur) ? cur : (keys.find((k) => meaning.get(k).role === "eval" && meaning.get(k).direction) || keys.find((k) => meaning.get(k).direction) || keys[0] || "");
     selected.clear();
     rows.slice(0, 5).forEach((r) => selected.add(r.run.id));
+    await loadEvals();
     draw();
     drawOverlay();
+  }
+
+  async function loadEvals() {
+    const [p, e] = (pick.value || "").split("\u0000");
+    const q = new URLSearchParams({ project: p, kind: "TRAIN", best_evaluation: "1", limit: "1000" });
+    if (e) q.set("experiment", e);
+    if (keySel.value) q.set("key", keySel.value);
+    const got = await optional(`/runs?${q}`).catch(() => null);
+    evals = Object.fromEntries(((got && got.runs) || []).map((r) => [r.id, r.best_evaluation]));
   }
 
   async function primaryKey(p, e) {
@@ -65,6 +78,11 @@ export async function render(root, _params, query) {
     if (e) q.set("experiment", e);
     const d = await optional(`/metric-definitions?${q}`).catch(() => null);
     return (d && d.primary && d.primary.key) || "";
+  }
+
+  function evalOf(r) {
+    const e = evals[r.run.id];
+    return e && typeof e.value === "number" ? e.value : null;
   }
 
   function bestOf(r) {
@@ -76,15 +94,18 @@ export async function render(root, _params, query) {
   function draw() {
     const key = keySel.value;
     const dirMax = rows.some((r) => r.summary[key] && r.summary[key].direction === "max");
-    const cfgKeys = [...new Set(rows.flatMap((r) => Object.keys(r.run.config || {})))].sort().slice(0, 8);
-    const val = (r, col) => col === "best" ? bestOf(r) : col === "id" ? r.run.id
-      : col.startsWith("cfg:") ? (r.run.config || {})[col.slice(4)] : null;
+    // params that differ between the runs first, then the rest, at most 8
+    const allKeys = [...new Set(rows.flatMap((r) => Object.keys(r.run.params || {})))].sort();
+    const differs = (k) => new Set(rows.map((r) => JSON.stringify((r.run.params || {})[k]))).size > 1;
+    const cfgKeys = [...allKeys.filter(differs), ...allKeys.filter((k) => !differs(k))].slice(0, 8);
+    const val = (r, col) => col === "best" ? bestOf(r) : col === "eval" ? evalOf(r) : col === "id" ? r.run.id
+      : col.startsWith("cfg:") ? (r.run.params || {})[col.slice(4)] : null;
     const sorted = rows.slice().sort((a, b) => {
       let x = val(a, sort.col), y = val(b, sort.col);
       if (x === null || x === undefined) return 1;
       if (y === null || y === undefined) return -1;
       const d = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
-      const better = sort.col === "best" && dirMax ? -1 : 1;
+      const better = (sort.col === "best" || sort.col === "eval") && dirMax ? -1 : 1;
       return d * sort.dir * better;
     });
     const th = (col, label) => h("th", { "aria-sort": sort.col === col ? (sort.dir > 0 ? "ascending" : "descending") : "none" },
@@ -92,6 +113,7 @@ export async function render(root, _params, query) {
     replace(tableEl, rows.length ? h("table", { class: "table", id: "x-runs" },
       h("thead", {}, h("tr", {}, h("th", { text: "Overlay" }), th("id", "Run"), h("th", { text: "State" }),
         th("best", `Best ${key}${dirMax ? " ↑" : " ↓"}`), h("th", { text: "at step" }), h("th", { text: "Latest" }),
+        th("eval", "Best evaluation"),
         cfgKeys.map((c) => th(`cfg:${c}`, c)))),
       h("tbody", {}, sorted.map((r, i) => {
         const k = r.summary[key];
@@ -104,7 +126,9 @@ export async function render(root, _params, query) {
           h("td", { class: "num", text: k && k.best ? fmtNum(k.best.value) : "–" }),
           h("td", { class: "num", text: k && k.best ? String(k.best.step) : "" }),
           h("td", { class: "num", text: k && k.latest ? fmtNum(k.latest.value) : "" }),
-          cfgKeys.map((c) => { const v = (r.run.config || {})[c]; return h("td", { class: "small", text: v === undefined ? "" : typeof v === "object" ? JSON.stringify(v) : String(v) }); }));
+          h("td", { class: "num", title: evals[r.run.id] ? `${evals[r.run.id].key}, checkpoint ${evals[r.run.id].checkpoint_id} (step ${evals[r.run.id].step})` : "",
+            text: evalOf(r) !== null ? `${fmtNum(evalOf(r))} (ckpt ${evals[r.run.id].checkpoint_id})` : "–" }),
+          cfgKeys.map((c) => { const v = (r.run.params || {})[c]; return h("td", { class: "small", text: v === undefined ? "" : typeof v === "object" ? JSON.stringify(v) : String(v) }); }));
       }))) : h("p", { class: "muted", text: "No runs in this experiment." }));
   }
 
@@ -133,7 +157,10 @@ export async function render(root, _params, query) {
   }
 
   pick.addEventListener("change", () => loadGroup().catch((e) => replace(msg, errorBox(e))));
-  keySel.addEventListener("change", () => { draw(); drawOverlay().catch((e) => replace(msg, errorBox(e))); });
+  keySel.addEventListener("change", () => {
+    loadEvals().then(draw).catch((e) => replace(msg, errorBox(e)));
+    drawOverlay().catch((e) => replace(msg, errorBox(e)));
+  });
   axisSel.addEventListener("change", () => {
     setXAxisPref(axisSel.value);
     drawOverlay().catch((e) => replace(msg, errorBox(e)));
