@@ -47,11 +47,13 @@ NEEDS_TOKEN = ("Unauthorized: gpuplane-mcp over HTTP needs a GPUPlane token of y
                "`gpuplane token create --name NAME --scope read` or `--scope write`); it never "
                "lends its own token to a caller over HTTP")
 
-INSTRUCTIONS = """GPUPlane runs training jobs on GPU machines. Loop: submit_job -> wait_for_job
-(returns when the job ends or an event arrives; never poll in a loop) -> diagnose_run ->
-compare_runs -> evaluate_checkpoint -> get_best_checkpoint. A job's attempts are runs
-(get_job lists them with their run_id). Every semantic result has next_actions: tool calls
-with arguments to make next. Paths (working_dir) are on the agent's host, absolute."""
+INSTRUCTIONS = """GPUPlane runs training jobs on GPU machines. Loop: set_primary_metric ->
+submit_job (one per setting) -> wait_for_jobs (one call for the whole sweep; never poll) ->
+compare_runs / get_metric_table -> evaluate_checkpoint -> wait_for_jobs -> get_best_checkpoint.
+A job's attempts are runs (wait_for_jobs and get_job give their run_id); list_runs shows the
+trainings with their params and best evaluation. Every semantic result has next_actions:
+tool calls with their arguments filled in. Paths (working_dir) are on the agent's host,
+absolute."""
 
 
 class ToolFailure(Exception):

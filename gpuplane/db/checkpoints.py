@@ -228,7 +228,7 @@ def evaluated_keys(db, project, experiment):
         params.append(experiment)
     return db.query(
         "SELECT k.key, count(*) FROM runs r JOIN metric_keys k ON k.run_id = r.id"
-        f" WHERE r.kind = 'EVALUATE' AND {' AND '.join(where)} AND k.key NOT LIKE 'sys/%'"
+        f" WHERE r.kind = 'EVALUATE' AND {' AND '.join(where)} AND {not_system('k.key')}"
         " GROUP BY k.key ORDER BY k.key", params)
 
 
