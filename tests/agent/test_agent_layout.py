@@ -166,3 +166,11 @@ def test_exit_and_job_records_are_built_in_one_place_each():
     job = agent.Reporter.job_record(Att(), "EXITED", {"exit_code": 1}, "EXIT_CODE", "boom")
     assert tuple(job) == agent.JOB_RECORD_FIELDS
     assert job["pid"] == 42 and job["exit_code"] == 1 and job["signal"] is None
+
+
+def test_the_architecture_doc_names_every_thread_of_the_agent_and_the_shim():
+    doc = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    names = [cls.name for cls in (agent.Runner, agent.StatsReporter, agent.Connection)]
+    names += [agent.Connection.name + "-reader", agent.Connection.name + "-heartbeat",
+              "gpuplane-agent-wait-", "shim_server", "_shim DIR"]
+    assert [n for n in names if f"`{n}" not in doc] == []
