@@ -172,5 +172,5 @@ def test_the_architecture_doc_names_every_thread_of_the_agent_and_the_shim():
     doc = open(os.path.join(ROOT, "docs", "architecture.md")).read()
     names = [cls.name for cls in (agent.Runner, agent.StatsReporter, agent.Connection)]
     names += [agent.Connection.name + "-reader", agent.Connection.name + "-heartbeat",
-              "gpuplane-agent-wait-", "shim_server", "_shim DIR"]
+              "gpuplane-agent-wait-", "shim_server", "agent.py _shim DIR"]
     assert [n for n in names if f"`{n}" not in doc] == []
