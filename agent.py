@@ -49,10 +49,12 @@ Threads and processes:
                           `exit`; outlives the agent                                no job left
     job processes         the user's command, in its own   -                        exit; a cancel: SIGTERM
                           session, output to its log                                to the group, SIGKILL
+    sbatch submitters,    (--runner slurm) one sbatch at a  a start queued by the   stop(): the runner's
+      a few (Slurm-       time; its answer goes back to    runner                   close() after its join
+      Launcher)           the runner, which owns the attempt
     Slurm batch jobs      (--runner slurm) the command on  - (the runner's squeue   Slurm's end; a cancel:
                           a compute node, under slurmd;    poll, one call for all)  scancel TERM, KILL
-                          sbatch/squeue/scancel run on
-                          the runner thread
+                          squeue/scancel run on the runner
 
 Runner, stats and connection are Workers (one shape: start(), run() ticks, stop()); the
 waiters, readers and heartbeats are plain threads that end with what they serve.
@@ -157,6 +159,8 @@ CKPT_DIR_MAX_ENTRIES = 2_000      # entries summed for one checkpoint directory
 SLURM_POLL_MIN_S = 0.25           # squeue this soon after a submit, a cancel or a change ...
 SLURM_POLL_MAX_S = 5.0            # ... backing off to this while nothing changes
 SLURM_TIMEOUT_S = 30.0            # one Slurm command
+SLURM_SUBMITTERS = 4              # sbatch (and squeue) calls at once
+SLURM_REASON_S = 2.0              # a PENDING reason is reported at most this often
 
 FAKE_GPU_MEM_MB = 24576           # the memory of a fake GPU (--fake-gpus)
 
@@ -1010,8 +1014,10 @@ class Attempt:
         self.resumed_from = spec.get("resumed_from")   # the checkpoint id it resumes from
         self.container_stop_sent = False
         self.slurm_id = None              # --runner slurm: the batch job's id, its last
-        self.slurm_reason = None          # PENDING reason, and whether its log appeared
+        self.slurm_reason = None          # PENDING reason (and when it was reported), and
+        self.slurm_reason_at = None       # whether its log appeared
         self.log_seen = False
+        self.submitting = False           # handed to an sbatch submitter, no answer yet
         self.watched = False              # this agent process launched it: a waiter watches
         self.shim_gone = False            # our waiter saw the shim exit
         self.started = False              # ... or its line: the command runs
@@ -1681,11 +1687,28 @@ def slurm_end(info, cancel):
     return rec
 
 
+def _write_quick(path, obj):
+    """An atomic write without fsync, for a Slurm attempt's slurm.json, pid and exit:
+    what a crash may lose there, Slurm tells again (squeue, sacct, the job's name) when
+    the agent re-adopts the attempt, and an fsync costs ~10 ms on the runner thread per
+    file on this kind of VM."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", opener=_private_opener) as f:
+        f.write(json.dumps(obj))
+    os.replace(tmp, path)
+
+
 class SlurmLauncher:
     """Launcher's part for Slurm jobs: submit, follow the states, cancel. The runner
-    thread calls poll() at each tick; it runs squeue once when due, never per job."""
+    thread calls poll() at each tick; it runs squeue once when due, never per job.
 
-    def __init__(self, slurm, kill_grace_s, wake):
+    sbatch waits for slurmctld's answer (tens of ms, more on a busy cluster), so a few
+    submitter threads run it, each taking (attempt, exec record) from a queue and handing
+    back (attempt, id or error); the runner thread alone touches the attempt, when it
+    collects the answer. A queue of starts then costs what Slurm takes to accept them,
+    not that times the runner's other work."""
+
+    def __init__(self, slurm, kill_grace_s, wake, submitters=SLURM_SUBMITTERS):
         self.slurm = slurm
         self.kill_grace_s = kill_grace_s
         self.wake = wake
@@ -1694,12 +1717,48 @@ class SlurmLauncher:
         self.pending = {}           # slurm id -> Attempt, for every attempt not yet ended
         self.report = None          # callable(att, reason): a `job` PENDING record
         self.failures = 0
+        self.submitters = submitters
+        # for the submitters: (att, exec record) to submit, or (None, ids) to poll; back
+        # from them: (att, when sbatch answered, the Slurm id, error), or (None, ids,
+        # {id: state}, error)
+        self._submits = collections.deque()
+        self._answers = collections.deque()
+        self._ready = threading.Condition()
+        self._threads = []
+        self._closing = False
+        self._polling = False       # a poll is with the submitters
 
     def warm(self):
-        return None
+        while len(self._threads) < self.submitters:
+            t = threading.Thread(target=self._submitter, daemon=True,
+                                 name=f"gpuplane-agent-sbatch-{len(self._threads)}")
+            t.start()
+            self._threads.append(t)
 
     def close(self):
-        pass
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
+        for t in self._threads:
+            t.join(SLURM_TIMEOUT_S)
+
+    def _submitter(self):
+        while True:
+            with self._ready:
+                while not self._submits and not self._closing:
+                    self._ready.wait()
+                if self._closing:
+                    return
+                att, rec = self._submits.popleft()
+            try:
+                # (None, ids) is a poll of those jobs' states; else a start to submit
+                answer = self._query(rec) if att is None else self.slurm.sbatch(rec)
+                self._answers.append((att, rec if att is None else now_ms(), answer, None))
+            except Exception as e:      # SlurmError, or anything unforeseen: said once
+                self._answers.append((att, rec, None, e if isinstance(e, SlurmError)
+                                      else SlurmError(f"{'squeue' if att is None else 'sbatch'} "
+                                                      f"failed: {e}")))
+            self.wake()
 
     def kick(self):
         self.poll_s = SLURM_POLL_MIN_S
@@ -1712,52 +1771,74 @@ class SlurmLauncher:
         att.slurm_id = info.get("job_id")
         att.pid_info = read_json(att.file("pid"))
         att.started = att.pid_info is not None
-        if att.slurm_id is None and info.get("submitting") is not None:
+        if att.slurm_id is None and "refused" not in info and \
+                read_json(att.file("exit")) is None:
+            # a crash after the start was taken and before sbatch's answer was written:
+            # the job's name says whether Slurm has it (never submitted twice)
             try:
                 found = self.slurm.find(self.slurm.job_name(att.job_id, att.attempt))
             except SlurmError as e:
                 log.warning("job %s attempt %s: cannot look it up in Slurm: %s", att.job_id,
                             att.attempt, e)
                 found = None
+            exec_record = (read_json(att.file("spec.json")) or {}).get("exec")
             if found:
                 att.slurm_id = found[0]
-                write_json_atomic(att.file("slurm.json"), {"job_id": att.slurm_id})
-            elif found is not None and read_json(att.file("exit")) is None:
-                write_exit(att.dir, failure_kind="LOST", message="the agent stopped while "
-                           "submitting it and Slurm has no job of its name; retried as a new "
-                           "attempt")
+                _write_quick(att.file("slurm.json"), {"job_id": att.slurm_id})
+            elif found is not None and exec_record:
+                # Slurm has no job of its name: it was never submitted; submit it now
+                log.info("job %s attempt %s was never submitted to Slurm; submitting it",
+                         att.job_id, att.attempt)
+                self.launch(att, exec_record)
+            elif found is not None:
+                write_exit(att.dir, failure_kind="LOST", message="the agent stopped before "
+                           "submitting it and its start is gone; retried as a new attempt")
         if att.slurm_id is not None:
             self.pending[att.slurm_id] = att
         self.kick()
 
     def launch(self, att, exec_record):
+        """Hand the attempt to a submitter; collect() takes its answer."""
         att.watched = True
         att.slurm_id = None
         with open(att.file("job.sh"), "w", opener=lambda p, f: os.open(p, f, 0o700)) as f:
             f.write(exec_record["script"])
-        write_json_atomic(att.file("slurm.json"), {"submitting": now_ms()})
-        try:
-            slurm_id = self.slurm.sbatch(exec_record)
-        except SlurmError as e:
-            log.error("job %s attempt %s: %s", att.job_id, att.attempt, e)
-            with open(att.file("log"), "ab", opener=_private_opener) as f:
-                f.write(f"gpuplane: {e}\n".encode())
-            write_exit(att.dir, failure_kind="DISPATCH_FAILED", message=str(e))
-            write_json_atomic(att.file("slurm.json"), {"job_id": None, "refused": str(e)})
-            return
-        write_json_atomic(att.file("slurm.json"), {"job_id": slurm_id,
-                                                   "submitted_at": now_ms()})
-        att.slurm_id = slurm_id
-        self.pending[slurm_id] = att
-        log.info("job %s attempt %s: Slurm job %s", att.job_id, att.attempt, slurm_id)
-        if self.report:
-            self.report(att, None)
-        self.kick()
+        att.submitting = True
+        if not self._threads:
+            self.warm()
+        with self._ready:
+            self._submits.append((att, exec_record))
+            self._ready.notify()
+
+    def collect(self):
+        """sbatch's answers (runner thread): the id in slurm.json, or DISPATCH_FAILED."""
+        while self._answers:
+            att, what, answer, err = self._answers.popleft()
+            if att is None:
+                self._apply(what, answer or {}, err)
+                continue
+            slurm_id, answered_at = answer, what
+            att.submitting = False
+            if err is not None:
+                log.error("job %s attempt %s: %s", att.job_id, att.attempt, err)
+                with open(att.file("log"), "ab", opener=_private_opener) as f:
+                    f.write(f"gpuplane: {err}\n".encode())
+                _write_quick(att.file("slurm.json"), {"job_id": None, "refused": str(err)})
+                write_exit(att.dir, failure_kind="DISPATCH_FAILED", message=str(err))
+                continue
+            _write_quick(att.file("slurm.json"), {"job_id": slurm_id,
+                                                  "submitted_at": answered_at})
+            att.slurm_id = slurm_id
+            self.pending[slurm_id] = att
+            log.info("job %s attempt %s: Slurm job %s", att.job_id, att.attempt, slurm_id)
+            self.kick()
 
     def shim_alive(self, att):
         """True while Slurm has not said the job ended (its `exit` file). The output file
         appears when the job starts on its node: then squeue is asked at once instead of
         at the end of its backoff."""
+        if att.submitting:
+            return True
         if att.slurm_id is None or att.slurm_id not in self.pending:
             return False
         if not att.started and not att.log_seen and os.path.exists(att.file("log")):
@@ -1769,6 +1850,8 @@ class SlurmLauncher:
         """scancel: SIGTERM to every step of a running job, SIGKILL once the grace period
         is over; a job still pending is cancelled at once. -> True once Slurm says it
         ended (or it was never submitted)."""
+        if att.submitting:
+            return False                # cancelled once sbatch has answered
         slurm_id = att.slurm_id
         if slurm_id is None or slurm_id not in self.pending:
             return True
@@ -1793,26 +1876,46 @@ class SlurmLauncher:
         return self.next_poll if self.pending else now + IDLE_WAKE_S
 
     def poll(self, now):
-        """One squeue for every job not yet ended, when due: write `pid` when Slurm runs
-        one, `exit` when it ends; report a PENDING reason when it changes."""
-        if not self.pending or now < self.next_poll:
+        """When due, one squeue for every job not yet ended, run by a submitter thread
+        (the runner goes on tailing meanwhile); collect() applies what it found."""
+        self.collect()
+        if not self.pending or now < self.next_poll or self._polling:
             return
-        ids = set(self.pending)
-        try:
-            found = self.slurm.states(ids)
-            missing = ids - set(found)
-            if missing:
-                found.update(self.slurm.accounting(missing))
-            self.failures = 0
-        except SlurmError as e:
+        self._polling = True
+        with self._ready:
+            self._submits.append((None, set(self.pending)))
+            self._ready.notify()
+        if not self._threads:
+            self.warm()
+
+    def _query(self, ids):
+        """(submitter thread) -> {id: state} from squeue, and sacct for the ones it
+        forgot; SlurmError when Slurm cannot be asked."""
+        found = self.slurm.states(ids)
+        missing = ids - set(found)
+        if missing:
+            found.update(self.slurm.accounting(missing))
+        return found
+
+    def _apply(self, ids, found, err):
+        """(runner thread) write `pid` when Slurm runs a job, `exit` when it ends; report a
+        PENDING reason when it changes (a change within SLURM_REASON_S of the last report
+        waits for a later poll: a queue's reasons flap between Priority and Resources)."""
+        now = time.monotonic()
+        self._polling = False
+        if err is not None:
             self.failures += 1
             if self.failures in (1, 10) or self.failures % 100 == 0:
-                log.warning("cannot read Slurm's job states (%d tries): %s", self.failures, e)
+                log.warning("cannot read Slurm's job states (%d tries): %s", self.failures,
+                            err)
             self.next_poll = now + SLURM_POLL_MAX_S
             return
+        self.failures = 0
         changed = False
         for slurm_id in ids:
-            att = self.pending[slurm_id]
+            att = self.pending.get(slurm_id)
+            if att is None:
+                continue
             info = found.get(slurm_id)
             unknown = info is None
             if unknown:
@@ -1825,7 +1928,7 @@ class SlurmLauncher:
             if state in SLURM_STARTED and att.pid_info is None:
                 att.pid_info = {"pid": None, "slurm_job_id": slurm_id, "node": info["node"],
                                 "started_at": now_ms()}
-                write_json_atomic(att.file("pid"), att.pid_info)
+                _write_quick(att.file("pid"), att.pid_info)
                 att.started = True
                 changed = True
             if state in SLURM_FINAL:
@@ -1834,18 +1937,17 @@ class SlurmLauncher:
                     end["message"] = (f"Slurm job {slurm_id} is known neither to squeue nor "
                                       "to sacct (purged while the agent was away?); "
                                       "retried as a new attempt")
-                write_json_atomic(att.file("exit"), end)
+                _write_quick(att.file("exit"), end)
                 del self.pending[slurm_id]
                 changed = True
-            elif state == "PENDING" and info["reason"] != att.slurm_reason:
-                att.slurm_reason = info["reason"]
+            elif state == "PENDING" and info["reason"] != att.slurm_reason and \
+                    (att.slurm_reason_at is None or now - att.slurm_reason_at >= SLURM_REASON_S):
+                att.slurm_reason, att.slurm_reason_at = info["reason"], now
                 if self.report:
                     self.report(att, info["reason"])
                 changed = True
         self.poll_s = SLURM_POLL_MIN_S if changed else min(SLURM_POLL_MAX_S, self.poll_s * 2)
         self.next_poll = now + self.poll_s
-        if changed:
-            self.wake()
 
 
 # ---------------------------------------------------------------------------------------

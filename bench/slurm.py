@@ -12,8 +12,9 @@ D G, ...) because this VM's speed drifts between minutes:
   submit → start is that minus the time its POST was sent, and the drain ends when the
   last job's end is recorded (its `ended_at`: when the agent reported the exit);
 - direct: the same JOBS commands with `sbatch --wrap` (the agent's options: --chdir,
-  --output, --no-requeue); submit → start from each sbatch call; the drain ends when one
-  `squeue` call (every 0.2 s) finds none of them left.
+  --output, --no-requeue) from as many threads as the agent's sbatch submitters; submit →
+  start from each sbatch call; the drain ends when one `squeue` call (every 0.2 s) finds
+  none of them left.
 
 Before that, `--serial` jobs one at a time each way: submit → start on an idle cluster.
 Prints the medians, p95s, the drains and their ratios with the scheduler settings used
@@ -33,6 +34,9 @@ import time
 import requests
 
 from harness import ROOT, free_port, start_server, stop_server
+
+sys.path.insert(0, str(ROOT))
+import agent  # noqa: E402  (its SLURM_SUBMITTERS)
 
 sys.path.insert(0, str(ROOT / "tests" / "slurm"))
 from cluster import SlurmCluster, missing  # noqa: E402
@@ -125,21 +129,48 @@ def gpuplane_round(plat, work, n, tag):
     done = wait(lambda: plat.drained(set(ids)), what=f"{n} jobs drained", every=0.5)
     drain = max(j["ended_at"] for j in done) / 1000 - t0
     lat = [read_stamp(m) - s for m, s in zip(markers, sent)]
-    return lat, drain
+    return lat, drain, breakdown(plat, done, markers, sent)
 
 
-def direct_round(cluster, work, n, tag):
+def breakdown(plat, done, markers, sent):
+    """Medians, in seconds, of where a job's submit → start goes: POST sent → the job's
+    row (created_at), → the agent holding the start (spec.json's received_at), → sbatch
+    answered (slurm.json's submitted_at), → the job's first act."""
+    import json
+    by_id = {j["id"]: j for j in done}
+    parts = {"server": [], "to agent": [], "agent → sbatch done": [], "Slurm": []}
+    for job_id, m, s in zip(sorted(by_id), markers, sent):
+        j = by_id[job_id]
+        d = plat.home / "agent" / "agent" / "jobs" / str(job_id) / str(j["attempt"])
+        try:
+            received = json.loads((d / "spec.json").read_text())["received_at"] / 1000
+            submitted = json.loads((d / "slurm.json").read_text())["submitted_at"] / 1000
+        except (OSError, ValueError, KeyError):
+            continue
+        parts["server"].append(j["created_at"] / 1000 - s)
+        parts["to agent"].append(received - j["created_at"] / 1000)
+        parts["agent → sbatch done"].append(submitted - received)
+        parts["Slurm"].append(read_stamp(m) - submitted)
+    return {k: statistics.median(v) for k, v in parts.items() if v}
+
+
+def direct_round(cluster, work, n, tag, submitters):
+    """sbatch from `submitters` threads, as many as the agent's (SLURM_SUBMITTERS)."""
+    import concurrent.futures
     markers = [work / f"d{tag}-{i}" for i in range(n)]
-    sent, ids = [], []
+    sent = [0.0] * n
     t0 = time.time()
     env = cluster.env()
-    for i, m in enumerate(markers):
-        sent.append(time.time())
+
+    def one(i):
+        sent[i] = time.time()
         r = subprocess.run(["sbatch", "--parsable", f"--chdir={work}",
                             f"--output={work}/d{tag}-{i}.log", "--no-requeue",
-                            "--wrap", stamp_command(m)], capture_output=True, text=True,
-                           env=env, check=True)
-        ids.append(r.stdout.strip())
+                            "--wrap", stamp_command(markers[i])], capture_output=True,
+                           text=True, env=env, check=True)
+        return r.stdout.strip()
+    with concurrent.futures.ThreadPoolExecutor(submitters) as pool:
+        ids = list(pool.map(one, range(n)))
     idset = set(ids)
 
     def gone():
@@ -149,7 +180,7 @@ def direct_round(cluster, work, n, tag):
     wait(gone, what=f"{n} sbatch jobs drained", every=0.2)
     drain = time.time() - t0
     lat = [read_stamp(m) - s for m, s in zip(markers, sent)]
-    return lat, drain
+    return lat, drain, None
 
 
 def serial(plat, cluster, work, n):
@@ -176,6 +207,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2, help="drains each way, alternated")
     ap.add_argument("--serial", type=int, default=10, help="one-at-a-time jobs each way")
+    ap.add_argument("--submitters", type=int, default=agent.SLURM_SUBMITTERS,
+                    help="sbatch calls at once for the direct side (default: the agent's)")
     ap.add_argument("--slurm-defaults", action="store_true",
                     help="Slurm's built-in scheduler settings instead of the tests' ones")
     args = ap.parse_args()
@@ -200,17 +233,18 @@ def main():
                 if which == "G":
                     res["G"] = gpuplane_round(plat, work, args.jobs, i)
                 else:
-                    res["D"] = direct_round(cluster, work, args.jobs, i)
+                    res["D"] = direct_round(cluster, work, args.jobs, i, args.submitters)
             rounds.append(res)
         load = (load0 + os.getloadavg()[0]) / 2
+        version = cluster.run("sinfo", "-V").stdout.strip()
     finally:
         if plat is not None:
             plat.stop()
         cluster.stop()
 
-    print(f"Slurm {subprocess.run(['sinfo', '-V'], capture_output=True, text=True).stdout.strip()}"
-          f", one node advertising {cluster.cpus} CPU slots ({os.cpu_count()} real cores), "
-          f"{cluster.gpus} fake GPUs; SchedulerParameters="
+    print(f"{version}, one node advertising {cluster.cpus} CPU slots ({os.cpu_count()} real cores), "
+          f"{cluster.gpus} fake GPUs; {args.submitters} sbatch calls at once each way; "
+          f"SchedulerParameters="
           f"{cluster.scheduler or '(Slurm defaults)'}; agent --slurm-max-jobs {args.jobs}; "
           f"load average {load:.2f}")
     if gs:
@@ -221,12 +255,14 @@ def main():
     ratios = []
     for i, r in enumerate(rounds, 1):
         for which, label in (("G", "GPUPlane"), ("D", "sbatch")):
-            lat, drain = r[which]
+            lat, drain, _ = r[which]
             print(f"{i:>5} {label:>8} {statistics.median(lat):>9.2f}s {pct(lat, 95):>9.2f}s "
                   f"{drain:>7.2f}s")
         ratios.append((statistics.median(r["G"][0]) / statistics.median(r["D"][0]),
                        r["G"][1] / r["D"][1]))
         print(f"{'':>5} {'ratio':>8} {ratios[-1][0]:>10.2f} {'':>10} {ratios[-1][1]:>8.2f}")
+        print(f"{'':>5} GPUPlane's start, medians: " + ", ".join(
+            f"{k} {v:.3f}s" for k, v in r["G"][2].items()))
     print(f"drain ratio GPUPlane / sbatch: median {statistics.median(r[1] for r in ratios):.2f}"
           f" (rounds {', '.join(f'{r[1]:.2f}' for r in ratios)}); start median ratio "
           f"{statistics.median(r[0] for r in ratios):.2f}")

@@ -50,6 +50,9 @@ def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_on
         "project": run["project"], "experiment": run["experiment"],
         "tb_dir": None, "watch_dir": None, "parent_checkpoint_id": ckpt["id"],
         "image": job.get("image") if job else None,     # the training job's container too
+        # and what it asked of Slurm (docs/slurm.md), but its time: an evaluation is short
+        "cpus": job.get("cpus") if job else None,
+        "mem_mb": job.get("mem_mb") if job else None,
     }
     with lifecycle.transaction() as t:
         new = lifecycle.submit(spec, t)

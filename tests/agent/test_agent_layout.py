@@ -65,7 +65,8 @@ def test_every_tunable_is_in_the_settings_section():
 
 # Where agent.py starts a thread, and the row of the docstring's table that names it.
 THREAD_STARTS = {"Worker.start": "runner (Runner)", "Launcher.launch": "waiter, one per",
-                 "Connection._session": "reader, one per"}
+                 "Connection._session": "reader, one per",
+                 "SlurmLauncher.warm": "sbatch submitters,"}
 
 
 def test_the_thread_table_names_every_thread_the_agent_starts():

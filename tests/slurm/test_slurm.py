@@ -40,6 +40,28 @@ def slurm_job(cluster, slurm_id):
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
+def tb_events(directory, series):
+    """A TensorBoard event file with v1 scalars ({tag: [(step, value)]}), written with
+    tensorboard's own protos and CRC code."""
+    import struct
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    def record(data):
+        head = struct.pack("<Q", len(data))
+        return (head + struct.pack("<I", masked_crc32c(head)) + data
+                + struct.pack("<I", masked_crc32c(data)))
+    events = [event_pb2.Event(wall_time=1.0, file_version="brain.Event:2")]
+    for tag, points in series.items():
+        for step, value in points:
+            events.append(event_pb2.Event(step=step, wall_time=2.0, summary=summary_pb2.Summary(
+                value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)])))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "events.out.tfevents.1700000000.node.1.0"
+    path.write_bytes(b"".join(record(e.SerializeToString()) for e in events))
+    return path
+
+
 @pytest.fixture(scope="module")
 def timeout_job(slurm_server, slurm_agent, tmp_path_factory):
     wd = tmp_path_factory.mktemp("timeout")
@@ -179,7 +201,11 @@ def test_checkpoints_and_sdk_inside_the_job(slurm_server, slurm_agent, tmp_path)
             "for step in (1, 2, 3): run.log({'train/loss': 1.0 / step}, step=step)\n"
             "os.makedirs('ckpt', exist_ok=True)\n"
             "open('ckpt/step_3.pt', 'wb').write(b'weights')\n")
-    job = submit(slurm_server, tmp_path, [sys.executable, "-c", code], watch_dir="ckpt")
+    (tmp_path / "tb").mkdir()
+    events = tb_events(tmp_path / "made", {"score": [(1, 0.5), (2, 0.25)]})
+    code += f"import shutil; shutil.copy({str(events)!r}, 'tb/')\n"
+    job = submit(slurm_server, tmp_path, [sys.executable, "-c", code], watch_dir="ckpt",
+                 tb_dir="tb")
     done = wait_state(slurm_server, job["id"], FINAL)
     assert done["state"] == "SUCCEEDED", (done, lines(slurm_server, job["id"]))
     run_id = done["run_id"]
@@ -191,6 +217,23 @@ def test_checkpoints_and_sdk_inside_the_job(slurm_server, slurm_agent, tmp_path)
                                                   expect=200)["checkpoints"], 30,
                      what="the watched checkpoint")
     assert [c["step"] for c in ckpts] == [3]
+    # its TensorBoard file, tailed from the shared working dir
+    tb = wait_for(lambda: {k["key"]: k for k in slurm_server.api.get(
+        f"/api/v1/runs/{run_id}/metrics", expect=200)["keys"]}.get("score"), 30,
+        what="the TensorBoard points")
+    assert tb["count"] == 2
+    # an evaluation of that checkpoint is a job like any other: it goes to Slurm too
+    ev_code = ("from gpuctl import run; import os\n"
+               "assert open(os.environ['GPUCTL_CHECKPOINT_PATH'], 'rb').read() == b'weights'\n"
+               "run.log({'eval/acc': 0.75}, step=int(os.environ['GPUCTL_CHECKPOINT_STEP']))\n")
+    ev = slurm_server.api.post(f"/api/v1/checkpoints/{ckpts[0]['id']}/evaluations",
+                               {"command": [sys.executable, "-c", ev_code]}, expect=201)
+    ev_job = wait_state(slurm_server, ev["job_id"], FINAL)
+    assert ev_job["state"] == "SUCCEEDED" and ev_job["slurm_job_id"], ev_job
+    result = wait_for(lambda: (e := slurm_server.api.get(
+        f"/api/v1/evaluations/{ev['id']}", expect=200))["results"] and e, 30,
+        what="the evaluation's results")
+    assert result["results"] == {"eval/acc": {"step": 3, "value": 0.75}}, result
 
 
 def test_agent_killed_and_restarted_readopts(slurm_server, slurm_agent, slurm_cluster,
@@ -218,6 +261,40 @@ def test_agent_killed_and_restarted_readopts(slurm_server, slurm_agent, slurm_cl
     r = slurm_cluster.run("squeue", "-h", "-t", "all", "--name",
                           f"gpuplane-login1-{job['id']}-1", "-o", "%i")
     assert r.stdout.split() == [slurm_id]
+
+
+def test_a_start_cut_off_around_sbatch_is_submitted_once(slurm_env, tmp_path):
+    """An agent that died after taking a start and before writing sbatch's answer: at
+    its restart, a job Slurm has under the attempt's name is adopted, one it does not
+    have is submitted now; neither runs twice."""
+    home = tmp_path / "agent"
+    outbox = agent_mod.Outbox(str(home))
+    slurm = agent_mod.Slurm("cut", partition=slurm_env.partition)
+    inherited = agent_mod.inherited_environment()
+    for job_id in (7, 8):
+        path = home / "jobs" / str(job_id) / "1"
+        path.mkdir(parents=True)
+        msg = {"job_id": job_id, "attempt": 1, "run_id": None, "command": ["sleep", "30"],
+               "working_dir": str(tmp_path), "gpus": [], "gpu_count": 0, "cpu_only": True}
+        rec = slurm.exec_spec(msg, agent_mod.job_environment(msg, inherited), str(path))
+        (path / "spec.json").write_text(json.dumps({"start": msg, "exec": rec}))
+        (path / "job.sh").write_text(rec["script"])
+        (path / "job.sh").chmod(0o700)
+    before = slurm.sbatch(json.loads((home / "jobs/8/1/spec.json").read_text())["exec"])
+    runner = agent_mod.Runner(str(home), outbox, slurm=slurm)     # adopts both
+    try:
+        def ids(job_id):
+            r = slurm_env.run("squeue", "-h", "-t", "all", "--name",
+                              f"gpuplane-cut-{job_id}-1", "-o", "%i")
+            return r.stdout.split()
+        assert wait_for(lambda: ids(7), 30, what="job 7 submitted at adoption")
+        assert len(ids(7)) == 1 and ids(8) == [before]
+        assert json.loads((home / "jobs/8/1/slurm.json").read_text())["job_id"] == before
+    finally:
+        runner.launcher.close()
+        outbox.close()
+        slurm_env.run("scancel", "--name", "gpuplane-cut-7-1")
+        slurm_env.run("scancel", before)
 
 
 def test_the_time_limit_job_ends_timeout(slurm_server, timeout_job):
