@@ -49,12 +49,12 @@ Threads and processes:
                           `exit`; outlives the agent                                no job left
     job processes         the user's command, in its own   -                        exit; a cancel: SIGTERM
                           session, output to its log                                to the group, SIGKILL
-    sbatch submitters,    (--runner slurm) one sbatch at a  a start queued by the   stop(): the runner's
-      a few (Slurm-       time; its answer goes back to    runner                   close() after its join
-      Launcher)           the runner, which owns the attempt
-    Slurm batch jobs      (--runner slurm) the command on  - (the runner's squeue   Slurm's end; a cancel:
+    sbatch submitters,    (--runner slurm) one sbatch (a   a start or a due poll    stop(): the runner's
+      four (Slurm-        start) or squeue (a poll) at a   queued by the runner     close() after its join
+      Launcher)           time; answers go to the runner
+    Slurm batch jobs      (--runner slurm) the command on  - (a submitter's squeue  Slurm's end; a cancel:
                           a compute node, under slurmd;    poll, one call for all)  scancel TERM, KILL
-                          squeue/scancel run on the runner
+                          scancel runs on the runner
 
 Runner, stats and connection are Workers (one shape: start(), run() ticks, stop()); the
 waiters, readers and heartbeats are plain threads that end with what they serve.
