@@ -167,7 +167,8 @@ def _make_up_argv():
 
 def test_readme_tour(tmp_path):
     """README.md's tour, top to bottom, verbatim: `make up` in one terminal, the rest in
-    another. Slow-ish (the example job and the tour's job, ~20-40 s)."""
+    another. Slow-ish (the example job, the tour's job, two trainings and six evaluations:
+    about a minute)."""
     readme = [b for b in ALL if b.path.name == "README.md"]
     background = [b for b in readme if b.kind == "tour-background"]
     tour = [b for b in readme if b.kind == "tour"]
@@ -189,7 +190,9 @@ def test_readme_tour(tmp_path):
     out = proc.stdout
     assert "epoch" in out and "SUCCEEDED" in out
     assert re.search(r"^run \d+ demo|^run \d+", out, re.M), out
-    assert "event: end" in out or "data:" in out      # the SSE stream of the last line
+    assert "event: end" in out or "data:" in out      # the SSE stream of the curl block
+    # the checkpoint block: both trainings and every evaluation ended, then a recommendation
+    assert re.search(r"^checkpoint \d+  run \d+  step \d+  eval/loss = ", out, re.M), out
 
 
 # -- every other block --------------------------------------------------------------------
