@@ -163,6 +163,41 @@ def test_tools_over_http_and_a_down_server_is_a_sentence(tmp_path):
         assert server.proc.poll() is None
 
 
+def test_system_series_params_scopes_and_errors_in_mcp_words(live_server, tmp_path):
+    """Without an agent: a run's summary leaves its system series out unless asked (and
+    they have no direction); list_runs keeps an evaluation's run out of the trainings and
+    shows params without bookkeeping; set_primary_metric creates the experiment it names;
+    a server sentence reaches the agent with tools in place of CLI commands."""
+    from gpuplane.db import now_ms
+    api = live_server.api
+    run = api.post("/api/v1/runs", {"project": "p", "experiment": "e", "name": "r",
+                                    "config": {"lr": 0.1, "out_dir": "/tmp/o"}}, expect=201)
+    api.post(f"/api/v1/runs/{run['id']}/metrics", {
+        "keys": ["train/loss", "sys/gpu0/util"],
+        "points": [[k, i, 1.0 / (i + 1), now_ms()] for i in range(5) for k in (0, 1)]},
+        expect=200)
+
+    async def body(call, client):
+        s = ok(await call("get_metric_summary", run_id=run["id"]))
+        assert [k["key"] for k in s["keys"]] == ["train/loss"] and s["system_left_out"] == 1
+        s = ok(await call("get_metric_summary", run_id=run["id"], include_system=True))
+        system = next(k for k in s["keys"] if k["key"] == "sys/gpu0/util")
+        assert system["role"] == "system" and system["direction"] is None, system
+        runs = ok(await call("list_runs", project="p"))["runs"]
+        assert runs[0]["params"] == {"lr": 0.1} and "config" not in runs[0], runs
+        assert runs[0]["kind"] == "TRAIN" and runs[0]["best_evaluation"] is None
+        assert ok(await call("list_runs", project="p", kind="evaluation"))["runs"] == []
+        ok(await call("set_primary_metric", key="val/acc", direction="max", project="new",
+                      experiment="sweep"))
+        rec = ok(await call("get_best_checkpoint", project="new", experiment="sweep"))
+        assert rec["checkpoint"] is None
+        msg = err(await call("get_best_checkpoint", project="new", experiment="nope"))
+        assert "list_runs" in msg and "gpuplane " not in msg, msg
+        msg = err(await call("get_run", run_id=999))
+        assert "list_runs" in msg and "gpuplane " not in msg, msg
+    session(mcp_env(live_server.url, live_server.token, tmp_path), body, in_process=True)
+
+
 def test_bad_token_and_scopes(live_server, tmp_path):
     api = live_server.api
     read = api.post("/api/v1/tokens", {"name": "reader", "scope": "read"}, expect=201)["token"]

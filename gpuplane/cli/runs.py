@@ -80,12 +80,15 @@ def cmd_run_list(args):
     rows = []
     for r in runs:
         job = f"{r['job_id']}/{r.get('attempt') or 1}" if r.get("job_id") else None
+        # an evaluation's run says which checkpoint it scored, so it is not read as a training
+        kind = (f"eval of ckpt {r.get('parent_checkpoint_id')}" if r.get("kind") == "EVALUATE"
+                else "train")
         rows.append([r["id"], r.get("name") or None, r.get("project"),
-                     r.get("experiment") or None, r.get("state"), r.get("source"), job,
+                     r.get("experiment") or None, kind, r.get("state"), r.get("source"), job,
                      ago(r.get("created_at")),
                      duration(r.get("started_at"), r.get("ended_at"))])
-    print_table(rows, ["ID", "NAME", "PROJECT", "EXPERIMENT", "STATE", "SOURCE",
-                           "JOB/ATTEMPT", "CREATED", "RAN"])
+    print_table(rows, ["ID", "NAME", "PROJECT", "EXPERIMENT", "KIND", "STATE", "SOURCE",
+                       "JOB/ATTEMPT", "CREATED", "RAN"])
     return EXIT_OK
 
 
@@ -120,11 +123,13 @@ def cmd_run_show(args):
              ("ran", duration(run.get("started_at"), run.get("ended_at"))),
              ("exit", run.get("exit_code")), ("failure", run.get("failure_kind"))]
     print("  " + "   ".join(f"{k}: {v}" for k, v in facts if v is not None))
-    config = run.get("config") or {}
-    if config:
-        text = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
-                        for k, v in config.items())
-        print(f"  config: {text if len(text) <= 300 else text[:297] + '...'}")
+    if run.get("kind") == "EVALUATE":
+        print(f"  evaluation of checkpoint {run.get('parent_checkpoint_id')}")
+    for label, values in (("params", run.get("params")), ("bookkeeping", run.get("bookkeeping"))):
+        if values:
+            text = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                            for k, v in values.items())
+            print(f"  {label}: {text if len(text) <= 300 else text[:297] + '...'}")
     if not keys:
         print("no metrics yet")
     else:

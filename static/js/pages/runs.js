@@ -28,7 +28,7 @@ export async function render(root, _params, query) {
       h("td", {}, stateBadge(r.state)),
       h("td", { text: r.experiment ? `${r.project} / ${r.experiment}` : r.project }),
       h("td", {}, r.job_id ? h("a", { href: `#/jobs/${r.job_id}`, text: `#${r.job_id}` }) : ""),
-      h("td", { text: r.source }),
+      h("td", { text: r.kind === "EVALUATE" ? `evaluation of checkpoint ${r.parent_checkpoint_id}` : r.source }),
       h("td", { text: r.node || "" }),
       h("td", { text: fmtAgo(r.started_at || r.created_at) }),
       h("td", { text: fmtDuration(r.started_at, r.ended_at) })))
