@@ -854,6 +854,36 @@ def job_environment(msg, inherited, sdk_dir=SDK_DIR):
     return env
 
 
+def delete_checkpoint_file(path, working_dir):
+    """-> (deleted, bytes freed, why not). Only a registered file or directory inside the
+    job's working dir (after resolving every symlink on the way), never a symlink itself
+    (nor, so, its target), never the working dir."""
+    if not (isinstance(path, str) and isinstance(working_dir, str)
+            and os.path.isabs(path) and os.path.isabs(working_dir)):
+        return False, 0, "not an absolute path inside an absolute working dir"
+    root = os.path.realpath(working_dir)
+    if os.path.islink(path):
+        return False, 0, "a symlink: neither it nor its target is deleted"
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        return False, 0, "outside the job's working dir"
+    if not os.path.lexists(path):
+        return True, 0, "already gone"
+    if os.path.isdir(real):
+        freed = 0
+        for top, _dirs, files in os.walk(real):
+            for name in files:
+                try:
+                    freed += os.lstat(os.path.join(top, name)).st_size
+                except OSError:
+                    pass
+        shutil.rmtree(real)
+        return True, freed, None
+    freed = os.lstat(real).st_size
+    os.unlink(real)
+    return True, freed, None
+
+
 def pick_resume(candidates):
     """The checkpoint an attempt after a lost or failed one resumes from: the first of the
     server's candidates (the highest step first) whose path still exists here, or None."""
@@ -2565,6 +2595,8 @@ class Runner(Worker):
             try:
                 if msg.get("type") == "cancel":
                     self._cancel(msg)
+                elif msg.get("type") == "delete_checkpoints":
+                    self._delete_checkpoints(msg)
                 else:
                     self._start(msg)
             except Exception:
@@ -2642,6 +2674,25 @@ class Runner(Worker):
         self._tick_attempt(att)
         if att.final:
             del self.active[key]
+
+    def _delete_checkpoints(self, msg):
+        """Checkpoint retention (docs/checkpoints.md): delete the files the server names,
+        each only if it lies inside the job's working dir once every symlink on the way is
+        resolved, and is not itself a symlink; report each as a `checkpoint_deleted`
+        record (deleted with the bytes freed, or kept and why)."""
+        working_dir = msg.get("working_dir")
+        for f in msg.get("files") or []:
+            deleted, freed, why = False, 0, None
+            try:
+                deleted, freed, why = delete_checkpoint_file(f["path"], working_dir)
+            except OSError as e:
+                why = f"cannot delete: {e.strerror or e}"
+            self.outbox.append("checkpoint_deleted", {
+                "run_id": f.get("run_id"), "checkpoint_id": f.get("checkpoint_id"),
+                "path": f.get("path"), "deleted": deleted, "bytes_freed": freed,
+                "reason": why})
+            log.info("checkpoint %s %s%s", f.get("path"), "deleted" if deleted else "kept",
+                     f": {why}" if why else "")
 
     def _cancel(self, msg):
         key = f"{int(msg['job_id'])}/{int(msg['attempt'])}"
@@ -3771,6 +3822,8 @@ class Connection(Worker):
                     self.runner.handle_start(msg)
                 elif kind == "cancel":
                     self.runner.handle_cancel(msg)
+                elif kind == "delete_checkpoints":
+                    self.runner.submit(dict(msg), False)
                 elif kind == "welcome":
                     pass
                 else:

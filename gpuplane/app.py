@@ -67,10 +67,15 @@ def create_app(home=None, start_threads=True, **overrides):
     from .sweeps import Sweeper
     sweeper = Sweeper(db, lifecycle)
     lifecycle.on_event(sweeper.offer_lifecycle)
+    # A job with a retention policy prunes its checkpoints when it ends (gpuplane/retention.py).
+    from .retention import Retention
+    retention = Retention(db, lifecycle, gateway)
+    lifecycle.on_event(retention.offer_lifecycle)
     engine.listeners.append(webhooks.notify)
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
                       LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks,
-                      METRICS=MetricStore(db), SWEEPER=sweeper)
+                      METRICS=MetricStore(db), SWEEPER=sweeper,
+                      RETENTION=retention)
 
     for bp in blueprints():
         app.register_blueprint(bp)
@@ -88,7 +93,7 @@ def create_app(home=None, start_threads=True, **overrides):
         return send_from_directory(STATIC, name, max_age=0)
     static_file.required_scope = "public"
 
-    threads = [scheduler, rollup, engine, webhooks, sweeper]
+    threads = [scheduler, rollup, engine, webhooks, sweeper, retention]
     if float(cfg.get("backup_interval_h") or 0) > 0:
         from .backups import BackupSchedule
         threads.append(BackupSchedule(home, cfg["backup_interval_h"], cfg["backup_keep"]))

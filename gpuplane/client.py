@@ -455,6 +455,15 @@ class Client:
     def compare_checkpoints(self, run_ids, key=None):
         return self._get("checkpoints:compare", runs=",".join(map(str, run_ids)), key=key)
 
+    @route("POST", "checkpoints/{id}/pin")
+    def pin_checkpoint(self, checkpoint_id, pinned=True):
+        return self._send("POST", f"checkpoints/{checkpoint_id}/pin", {"pinned": pinned})
+
+    @route("POST", "jobs/{id}/checkpoints:prune")
+    def prune_job_checkpoints(self, job_id, keep_best=None, keep_last=None, dry_run=False):
+        return self._send("POST", f"jobs/{job_id}/checkpoints:prune",
+                          {"keep_best": keep_best, "keep_last": keep_last, "dry_run": dry_run})
+
     @route("GET", "checkpoints:recommend")
     def recommend_checkpoint(self, run=None, experiment=None, project=None, key=None,
                              sweep=None):

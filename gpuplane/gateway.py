@@ -20,7 +20,7 @@ from simple_websocket import ConnectionClosed
 from .auth import requires
 from .streams import clear_timeout
 from .errors import ApiError
-from . import metricwire, states
+from . import metricwire, retention, states
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,12 @@ class Gateway:
 
     def cancel(self, node, job_id, attempt):
         return self.send(node, cancel_message(job_id, attempt))
+
+    def delete_checkpoints(self, node, job_id, working_dir, files):
+        """Checkpoint retention (gpuplane/retention.py): the owning agent deletes these
+        registered files of the job, inside its working dir, and reports each."""
+        return self.send(node, {"type": "delete_checkpoints", "job_id": job_id,
+                                "working_dir": working_dir, "files": files})
 
     def start_message(self, job, ingest_token):
         return {"type": "start", "job_id": job["id"], "attempt": job["attempt"],
@@ -369,7 +375,8 @@ class Gateway:
                 if runs.node_of_attempt(c, job_id, attempt) != node:
                     return f"job {job_id} attempt {attempt} is not assigned to this node"
                 return None
-            if kind in ("metrics", "checkpoint", "event") and rec.get("run_id") is not None:
+            if kind in ("metrics", "checkpoint", "event", "checkpoint_deleted") \
+                    and rec.get("run_id") is not None:
                 run_id = int(rec["run_id"])
                 if runs.node_of(c, run_id) != node:
                     return f"run {run_id} is not a run of this node's attempts"
@@ -451,6 +458,16 @@ class Gateway:
                     epoch=float(rec["epoch"]) if rec.get("epoch") is not None else None,
                     size_bytes=rec.get("size_bytes"), fingerprint=rec.get("fingerprint"),
                     fmt=rec.get("format"), source="watcher", ts=ts)
+            return False
+        if kind == "checkpoint_deleted":      # retention (gpuplane/retention.py)
+            ckpt_id, run_id = int(rec["checkpoint_id"]), int(rec["run_id"])
+            if rec.get("deleted"):
+                freed = rec.get("bytes_freed")
+                checkpoints.mark_deleted(c, ckpt_id, run_id,
+                                         int(freed) if isinstance(freed, int) else None, ts)
+            else:
+                why = str(rec.get("reason") or "the agent kept it")[:500]
+                checkpoints.set_keep_reasons(c, {ckpt_id: f"{retention.AGENT_KEPT}{why}"})
             return False
         if kind == "event":
             _text(rec["type"], "type", 64)

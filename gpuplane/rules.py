@@ -382,7 +382,8 @@ def disk_low(free_mb, where, cfg=DEFAULTS, step=None):
     return finding("DISK_LOW", sev, step,
                    f"only {free_mb:,.0f} MiB free on {where} (threshold "
                    f"{cfg['disk_low_mb']:,} MiB): checkpoints and logs will fail when it is "
-                   f"full; free space or move the run's output",
+                   f"full; free space (`gpuplane ckpt prune --job JOB --dry-run` lists the "
+                   f"checkpoints a retention policy would delete) or move the run's output",
                    free_mb=free_mb, threshold_mb=cfg["disk_low_mb"], where=where)
 
 

@@ -209,7 +209,7 @@ def parse_early_stopping(es):
 SPEC_KEYS = {"name", "command", "parameters", "trials", "seed", "parallel", "metric",
              "direction", "early_stopping", "working_dir", "gpus", "cpu_only", "priority",
              "max_attempts", "env", "project", "experiment", "tb_dir", "watch_dir", "image",
-             "eval_command"}
+             "eval_command", "retention"}
 
 
 def parse_spec(data):

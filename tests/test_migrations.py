@@ -179,6 +179,7 @@ def test_a_v11_database_opens_with_resume_and_retention_columns(tmp_path):
     conn.close()
     db = Database(path)
     assert jobs.get(db, 1)["resume"] is False and runs.get(db, 1)["resumed_from"] is None
+    assert jobs.get(db, 1)["retention"] is None          # v14: no retention policy
     c = checkpoints.get(db, 1)
     assert c["pinned"] is False and c["deleted_at"] is None and c["keep_reason"] is None
     with db.read() as conn:

@@ -179,6 +179,16 @@ def _scope_names():
     return project, experiment
 
 
+@bp.post("/checkpoints/<int:checkpoint_id>/pin")
+@requires("write")
+def pin(checkpoint_id):
+    """Pin (or unpin, {"pinned": false}) a checkpoint: retention always keeps it."""
+    _checkpoint_or_404(checkpoint_id)
+    data = body() if request.get_data(cache=True) else {}
+    checkpoints.set_pinned(current_db(), checkpoint_id, field(data, "pinned", bool, True))
+    return _shape(_checkpoint_or_404(checkpoint_id))
+
+
 @bp.get("/checkpoints:recommend")
 @requires("read")
 def recommend():

@@ -9,7 +9,7 @@ import time
 
 from flask import Blueprint, Response, current_app, request
 
-from .. import lifecycle, states
+from .. import lifecycle, retention, states
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -115,7 +115,15 @@ def parse_job_spec(data):
         "mem_mb": field(data, "mem_mb", int, None, min=1, max=2**31, nullable=True),
         "time_limit_min": field(data, "time_limit_min", int, None, min=1, max=525600,
                                 nullable=True),
+        "retention": _retention(data.get("retention")),
     }
+
+
+def _retention(data):
+    try:
+        return retention.parse_policy(data)
+    except retention.PolicyError as e:
+        raise BadRequest(str(e)) from None
 
 
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
@@ -221,6 +229,23 @@ def retry(job_id):
                        "FAILED or CANCELLED): wait for it, or `gpuplane job cancel "
                        f"{job_id}` first")
     return job_view(job)
+
+
+@bp.post("/jobs/<int:job_id>/checkpoints:prune")
+@requires("write")
+def prune_checkpoints(job_id):
+    """Apply a retention policy (the body's, else the job's own) to the job's checkpoints;
+    dry_run: only say what would go."""
+    job = _job_or_404(job_id)
+    data = body() if request.get_data(cache=True) else {}
+    dry_run = field(data, "dry_run", bool, False)
+    policy = {k: data[k] for k in ("keep_best", "keep_last") if k in data} or None
+    try:
+        policy = retention.parse_policy(policy) if policy else None
+        return retention.prune(current_db(), current_lifecycle(), current_app.config.get(
+            "GATEWAY"), job, policy, dry_run=dry_run)
+    except retention.PolicyError as e:
+        raise BadRequest(str(e)) from None
 
 
 def _queued_only(job, verb):

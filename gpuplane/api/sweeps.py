@@ -22,7 +22,7 @@ bp = Blueprint("sweeps", __name__, url_prefix="/api/v1")
 
 STATES = states.SWEEP_STATES
 JOB_FIELDS = ("working_dir", "gpus", "cpu_only", "priority", "max_attempts", "env",
-              "tb_dir", "watch_dir", "image", "eval_command")
+              "tb_dir", "watch_dir", "image", "eval_command", "retention")
 
 
 def _sweep_or_404(sweep_id):
@@ -74,7 +74,7 @@ def create():
         job.pop(k, None)
     spec["job"] = {k: job[k] for k in ("working_dir", "gpus", "cpu_only", "priority",
                                        "max_attempts", "env", "tb_dir", "watch_dir",
-                                       "image", "eval_command")}
+                                       "image", "eval_command", "retention")}
     name = spec["name"] or f"{experiment or 'sweep'}"
     with current_lifecycle().transaction() as t:
         sweep_id = sweeps_db.create(t.conn, name, project, experiment, spec, params)

@@ -48,6 +48,19 @@ def add_parser(subparsers):
     p.add_argument("--key", metavar="KEY", help="decide by this metric instead")
     p.set_defaults(func=cmd_ckpt_recommend)
 
+    p = command(cs, "pin", "pin a checkpoint: retention always keeps it", parents=(conn, js))
+    p.add_argument("checkpoint_id", type=ckpt_id_type, metavar="ID")
+    p.add_argument("--unpin", action="store_true", help="take the pin off")
+    p.set_defaults(func=cmd_ckpt_pin)
+    p = command(cs, "prune", "apply checkpoint retention to a job: keep the best K by the "
+                "metric that decides, the last L of each run, every evaluated or pinned one; "
+                "the agent deletes the rest", parents=(conn, js))
+    p.add_argument("--job", type=int, required=True, metavar="JOB")
+    p.add_argument("--keep-best", type=int, metavar="K", help="default: the job's policy, else 1")
+    p.add_argument("--keep-last", type=int, metavar="L", help="default: the job's policy, else 1")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
+    p.set_defaults(func=cmd_ckpt_prune)
+
     # -- project / exp ------------------------------------------------------------------
     for noun, help_ in (("project", "projects: list, create, rename, describe, delete"),
                         ("exp", "experiments of a project: list, create, rename, delete, "
@@ -195,6 +208,38 @@ def cmd_ckpt_recommend(args):
     print(r["reason"])
     for a in r.get("next_actions") or []:
         print(f"next: {a['why']}" if isinstance(a, dict) else f"next: {a}")
+    return EXIT_OK
+
+
+def cmd_ckpt_pin(args):
+    c = make_client(args).pin_checkpoint(args.checkpoint_id, pinned=not args.unpin)
+    if args.json:
+        print_json(c)
+    else:
+        print(f"checkpoint {c['id']} {'pinned' if c['pinned'] else 'unpinned'}: {c['path']}")
+    return EXIT_OK
+
+
+def cmd_ckpt_prune(args):
+    r = make_client(args).prune_job_checkpoints(args.job, keep_best=args.keep_best,
+                                                keep_last=args.keep_last,
+                                                dry_run=args.dry_run)
+    if args.json:
+        print_json(r)
+        return EXIT_OK
+    p = r["policy"]
+    print(f"job {r['job_id']}: keep best {p['keep_best']} by {r['metric']['key']}, last "
+          f"{p['keep_last']} of each run, every evaluated or pinned one")
+    print_table([(c["checkpoint_id"], c["step"], c["reason"], c["path"]) for c in r["keep"]],
+                ("KEEP", "STEP", "WHY", "PATH"))
+    verb = "would delete" if r["dry_run"] else "deleting"
+    print(f"{verb} {len(r['delete'])} checkpoints ({r['bytes']} bytes)")
+    if r["delete"]:
+        print_table([(c["checkpoint_id"], c["step"], c["node"], c["path"]) for c in r["delete"]],
+                    ("DELETE", "STEP", "NODE", "PATH"))
+    for node, ok in r["sent"].items():
+        if not ok:
+            print(f"node {node} is not connected: its files stay until the next prune")
     return EXIT_OK
 
 

@@ -56,6 +56,11 @@ def add_parser(subparsers):
     p.add_argument("--experiment", metavar="E", help="experiment of the job's runs")
     p.add_argument("--tb-dir", metavar="D", help="TensorBoard log directory to tail")
     p.add_argument("--watch", metavar="D", help="checkpoint directory to watch")
+    p.add_argument("--keep-best", type=positive_int, metavar="K",
+                   help="checkpoint retention when the job ends: keep the best K by the "
+                        "metric that decides (with --keep-last; docs/checkpoints.md)")
+    p.add_argument("--keep-last", type=positive_int, metavar="L",
+                   help="... and the last L of each run (evaluated and pinned ones always)")
     p.add_argument("--image", metavar="IMG",
                    help="run the job in a container of this image (Docker on the agent's "
                         "host; docs/docker.md)")
@@ -165,6 +170,9 @@ def job_body(args):
         "cpus": args.cpus or None,
         "mem_mb": args.mem_mb,
         "time_limit_min": args.time_limit_min,
+        "retention": {k: v for k, v in (("keep_best", args.keep_best),
+                                        ("keep_last", args.keep_last)) if v is not None}
+        or None,
     }
     working_dir = args.working_dir if args.working_dir is not None else os.getcwd()
     return command, working_dir, fields

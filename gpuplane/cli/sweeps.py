@@ -44,6 +44,10 @@ def add_parser(subparsers):
     p.add_argument("--env", type=env_pair, action="append", default=[], metavar="K=V")
     p.add_argument("--watch", dest="watch_dir", metavar="DIR",
                    help="checkpoint directory to watch (relative to the working dir)")
+    p.add_argument("--keep-best", type=int, metavar="K",
+                   help="checkpoint retention per trial: the best K by the metric")
+    p.add_argument("--keep-last", type=int, metavar="L",
+                   help="... and the last L of each run")
     p.add_argument("--early-stop", choices=("median", "asha", "none"),
                    help="early stopping rule")
     p.add_argument("--warmup-steps", type=int, help="median: steps before it judges")
@@ -134,6 +138,11 @@ def build_spec(args):
             spec["parameters"][name] = p
     if args.env:
         spec["env"] = {**spec.get("env", {}), **dict(args.env)}
+    if args.keep_best is not None or args.keep_last is not None:
+        spec["retention"] = dict(spec.get("retention") or {})
+        for k in ("keep_best", "keep_last"):
+            if getattr(args, k) is not None:
+                spec["retention"][k] = getattr(args, k)
     if args.early_stop == "none":
         spec.pop("early_stopping", None)
     elif args.early_stop or any(getattr(args, k) is not None for k in

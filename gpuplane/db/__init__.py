@@ -443,10 +443,15 @@ WHERE job_id IN (SELECT id FROM jobs WHERE kind = 'EVALUATE');
 CREATE INDEX runs_kind ON runs (kind, id);
 """
 
+# A job's checkpoint retention policy (json {"keep_best", "keep_last"}; docs/checkpoints.md).
+SCHEMA_V14_RETENTION = """
+ALTER TABLE jobs ADD COLUMN retention TEXT;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
-              SCHEMA_V13_RUN_KIND]
+              SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

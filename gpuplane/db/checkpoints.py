@@ -116,6 +116,33 @@ def resume_candidates(conn, job_id, attempt):
     return [{"checkpoint_id": r[0], "path": r[1], "step": r[2]} for r in rows]
 
 
+def of_job_runs(db, job_id):
+    """Every checkpoint of the job's runs with its run's node, attempt and whether it has
+    an evaluation, by run then step."""
+    return [dict(r) for r in db.query(
+        "SELECT c.*, r.node, r.attempt, EXISTS (SELECT 1 FROM evaluations e"
+        " WHERE e.checkpoint_id = c.id) AS evaluated FROM checkpoints c"
+        " JOIN runs r ON r.id = c.run_id WHERE r.job_id = ? ORDER BY c.run_id, c.step, c.id",
+        (job_id,))]
+
+
+def set_keep_reasons(conn, reasons):
+    """{checkpoint id: why retention keeps it, or None}."""
+    conn.executemany("UPDATE checkpoints SET keep_reason = ? WHERE id = ?",
+                     [(why, cid) for cid, why in reasons.items()])
+
+
+def mark_deleted(conn, checkpoint_id, run_id, bytes_freed, ts):
+    """The owning agent deleted it: marked, never removed from the registry."""
+    conn.execute("UPDATE checkpoints SET deleted_at = ?, bytes_freed = ?, keep_reason = NULL"
+                 " WHERE id = ? AND run_id = ?", (ts, bytes_freed, checkpoint_id, run_id))
+
+
+def set_pinned(db, checkpoint_id, pinned):
+    with db.tx() as c:
+        c.execute("UPDATE checkpoints SET pinned = ? WHERE id = ?", (int(pinned), checkpoint_id))
+
+
 def of_job(conn, checkpoint_id, job_id):
     """Whether the checkpoint belongs to a run of the job."""
     return conn.execute("SELECT 1 FROM checkpoints c JOIN runs r ON r.id = c.run_id"
@@ -275,7 +302,7 @@ SELECT c.id, c.run_id, c.step, rk.key_id, p.step, p.value,
        CASE WHEN p.step IS NULL THEN
            (SELECT step FROM points WHERE key_id = rk.key_id AND step > c.step
             ORDER BY step LIMIT 1) END
-FROM rk JOIN checkpoints c ON c.run_id = rk.run_id
+FROM rk JOIN checkpoints c ON c.run_id = rk.run_id AND c.deleted_at IS NULL
 LEFT JOIN points p ON p.key_id = rk.key_id AND p.step = c.step
 """
 

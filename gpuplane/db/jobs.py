@@ -30,6 +30,7 @@ def to_dict(row):
     d["config"] = loads(d.get("config"), {})
     d["stop_reason"] = loads(d.get("stop_reason"))
     d["resume"] = bool(d.get("resume"))
+    d["retention"] = loads(d.get("retention"))
     return d
 
 
@@ -114,8 +115,8 @@ def insert(conn, spec, ts):
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
         " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
-        " created_at, queued_at, cpus, mem_mb, time_limit_min)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " created_at, queued_at, cpus, mem_mb, time_limit_min, retention)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -125,7 +126,8 @@ def insert(conn, spec, ts):
          dumps(spec["eval_command"]) if spec.get("eval_command") else None,
          spec.get("image"), dumps(spec["config"]) if spec.get("config") else None,
          spec.get("sweep_id"), ts, ts, spec.get("cpus"), spec.get("mem_mb"),
-         spec.get("time_limit_min")))
+         spec.get("time_limit_min"),
+         dumps(spec["retention"]) if spec.get("retention") else None))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 

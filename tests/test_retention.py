@@ -1,0 +1,100 @@
+"""Checkpoint retention: the policy (pure), and a run with 20 checkpoints under keep-best 2
+/ keep-last 1 on a real server and agent: exactly those stay on disk, the registry says
+why each is kept, the rest are marked deleted with the bytes freed, and a file outside the
+working dir registered through the SDK (and a symlink's target) is left alone."""
+import os
+import sys
+
+import pytest
+
+from gpuplane import retention
+from procs import wait_for
+
+
+def test_a_policy_that_keeps_nothing_is_refused():
+    with pytest.raises(retention.PolicyError, match="keeps nothing"):
+        retention.parse_policy({"keep_best": 0, "keep_last": 0})
+    with pytest.raises(retention.PolicyError, match="keep_best"):
+        retention.parse_policy({"keep_best": -1})
+    assert retention.parse_policy({"keep_best": 2}) == {"keep_best": 2, "keep_last": 1}
+
+
+def test_plan_keeps_the_best_the_last_evaluated_pinned_and_outside_ones():
+    ck = [{"id": i, "run_id": 1 if i < 6 else 2, "path": f"/w/c{i}.pt", "step": i * 10}
+          for i in range(1, 9)]
+    ck[0]["pinned"] = True
+    ck[1]["evaluated"] = True
+    ck[2]["path"] = "/elsewhere/c3.pt"
+    values = {c["id"]: abs(c["id"] - 4) + 0.5 for c in ck}       # 4 best, then 3 (outside)
+    plan = retention.plan(ck, values, "min", {"keep_best": 2, "keep_last": 1}, "/w", "loss")
+    kept = {i: why for i, (keep, why) in plan.items() if keep}
+    assert kept == {1: "pinned", 2: "evaluated", 3: "outside the job's working dir: never "
+                    "deleted", 4: "best 1 by loss (0.5)", 5: "last 1 of run 1",
+                    8: "last 1 of run 2"}
+    assert not plan[6][0] and not plan[7][0]
+
+
+TRAIN = """\
+import os
+from gpuctl import run
+os.makedirs("ckpt", exist_ok=True)
+for step in range(1, 21):
+    run.log({"val/loss": abs(step - 7) + 1.0}, step=step * 10)   # best at 70, then 60 / 80
+    path = f"ckpt/step{step * 10}.pt"
+    with open(path, "wb") as f:
+        f.write(b"w" * 1000)
+    run.log_checkpoint(path, step=step * 10)
+run.log_checkpoint(os.environ["OUTSIDE"], step=5)                 # registered, not ours
+os.symlink(os.environ["TARGET"], "ckpt/link.pt")
+run.log_checkpoint("ckpt/link.pt", step=1)
+"""
+
+
+def test_twenty_checkpoints_under_keep_best_2_keep_last_1(live_server, agent, tmp_path,
+                                                        monkeypatch, capsys):
+    api = live_server.api
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    (work / "train.py").write_text(TRAIN)
+    (outside / "keep.pt").write_bytes(b"o" * 10)
+    (outside / "target.pt").write_bytes(b"t" * 10)
+    bad = api.post("/api/v1/jobs", {"command": ["true"], "working_dir": str(work),
+                                    "retention": {"keep_best": 0, "keep_last": 0}})
+    assert api.last.status_code == 400 and "keeps nothing" in bad["error"]["message"]
+    job = api.submit([sys.executable, "train.py"], work, cpu_only=True,
+                     env={"OUTSIDE": str(outside / "keep.pt"),
+                          "TARGET": str(outside / "target.pt")},
+                     retention={"keep_best": 2, "keep_last": 1}, experiment="retention")
+    api.post("/api/v1/metric-definitions", {"key": "val/loss", "direction": "min",
+                                            "primary": True, "project": "default"},
+             expect=200)
+    # --dry-run over the CLI, while nothing is deleted yet
+    from gpuplane import cli
+    j = api.wait_job(job["id"])
+    assert j["state"] == "SUCCEEDED", api.get(f"/api/v1/jobs/{job['id']}/logs")
+    run = j["run_id"]
+
+    def gone():
+        cks = api.get(f"/api/v1/runs/{run}/checkpoints")["checkpoints"]
+        return len(cks) == 22 and sum(1 for c in cks if c.get("deleted_at")) == 17 and cks
+    cks = wait_for(gone, timeout=60, what="retention to delete 17 checkpoints")
+    on_disk = sorted(p.name for p in (work / "ckpt").iterdir())
+    assert on_disk == ["link.pt", "step200.pt", "step60.pt", "step70.pt"]
+    assert (outside / "keep.pt").exists() and (outside / "target.pt").exists()
+    why = {os.path.basename(c["path"]): c["keep_reason"] for c in cks if not c["deleted_at"]}
+    assert why["step70.pt"] == "best 1 by val/loss (1)"
+    assert why["step60.pt"].startswith("best 2 by val/loss")
+    assert why["step200.pt"] == f"last 1 of run {run}"
+    assert why["keep.pt"] == "outside the job's working dir: never deleted"
+    assert why["link.pt"].startswith("not deleted by the agent: a symlink")
+    assert all(c["bytes_freed"] == 1000 for c in cks if c["deleted_at"])
+    # pin, and a dry run says what would go under a stricter policy, deleting nothing
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    assert cli.main(["--server", live_server.url, "ckpt", "pin",
+                     str(next(c["id"] for c in cks if c["path"].endswith("step60.pt")))]) == 0
+    assert cli.main(["--server", live_server.url, "ckpt", "prune", "--job", str(job["id"]),
+                     "--keep-best", "1", "--keep-last", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "pinned" in out and "would delete 0 checkpoints" in out, out
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == on_disk
