@@ -345,6 +345,10 @@ def test_acceptance_loop(live_server, agent, tmp_path):
         assert {"tool": "get_best_checkpoint", "arguments": {"project": "acc", "experiment": "lr"}} \
             in [{k: a[k] for k in ("tool", "arguments")} for a in w["next_actions"]], w
 
+        # No primary metric yet: the ranking names a metric the evaluations produced
+        # (eval/...), not one only the trainings logged (val/...).
+        guess = ok(await call("compare_checkpoints", run_ids=[good, bad]))
+        assert guess["key"].startswith("eval/"), guess["key"]
         cc = ok(await call("compare_checkpoints", run_ids=[good, bad], key="eval/loss"))
         ranked = cc["ranked"]
         # eval/loss exists only where an evaluation made it: the rest stay unranked.
