@@ -1085,24 +1085,49 @@ def build_server(gp):
     return server
 
 
+def _connection_options(p, default):
+    p.add_argument("--server", default=default,
+                   help="GPUPlane server URL (default $GPUCTL_SERVER_URL, $GPUCTL_SERVER, "
+                        "else the local server.toml's, else http://127.0.0.1:8600)")
+    p.add_argument("--token", default=default,
+                   help="API token (default $GPUCTL_MCP_TOKEN, $GPUCTL_TOKEN, else the local "
+                        "admin token)")
+    p.add_argument("--host", default=default,
+                   help="address to serve HTTP on (default 127.0.0.1)")
+
+
 def get_parser():
     p = argparse.ArgumentParser(
         prog="gpuplane-mcp",
-        description="GPUPlane as MCP tools for coding agents (stdio by default).")
-    p.add_argument("--server", help="GPUPlane server URL (default $GPUCTL_SERVER, else the "
-                                    "local server.toml's, else http://127.0.0.1:8600)")
-    p.add_argument("--token", help="API token (default $GPUCTL_MCP_TOKEN, $GPUCTL_TOKEN, "
-                                   "else the local admin token)")
+        description="GPUPlane as MCP tools for coding agents: stdio by default, "
+                    "`serve --port N` for streamable HTTP (also installed as gpuctl-mcp).")
+    _connection_options(p, None)
     p.add_argument("--http", type=int, metavar="PORT",
-                   help="serve streamable HTTP on PORT (path /mcp) instead of stdio")
-    p.add_argument("--host", default="127.0.0.1", help="address for --http (default 127.0.0.1)")
+                   help="serve streamable HTTP on PORT (path /mcp) instead of stdio "
+                        "(the same as `serve --port PORT`)")
+    modes = p.add_subparsers(dest="mode", metavar="{serve,stdio}")
+    # the subcommands take the same options after their name (argparse.SUPPRESS: an
+    # option not given there keeps what was given before it)
+    serve = modes.add_parser("serve", help="serve streamable HTTP at http://HOST:PORT/mcp")
+    serve.add_argument("--port", type=int, required=True, metavar="N")
+    _connection_options(serve, argparse.SUPPRESS)
+    stdio = modes.add_parser("stdio", help="speak MCP on stdin/stdout (the default)")
+    _connection_options(stdio, argparse.SUPPRESS)
     return p
 
 
 def main(argv=None):
-    args = get_parser().parse_args(argv)
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    if args.mode == "serve":
+        if args.http and args.http != args.port:
+            parser.error("give the port once: `serve --port N` or `--http N`")
+        args.http = args.port
+    elif args.mode == "stdio" and args.http:
+        parser.error("stdio and --http exclude each other; drop one")
+    args.host = args.host or "127.0.0.1"
     token = args.token or os.environ.get("GPUCTL_MCP_TOKEN") or None
-    gp = Gpuplane(args.server, token)
+    gp = Gpuplane(args.server or os.environ.get("GPUCTL_SERVER_URL") or None, token)
     server = build_server(gp)
     if args.http:
         print(f"gpuplane-mcp: serving http://{args.host}:{args.http}/mcp for "

@@ -94,6 +94,11 @@ def get_parser():
 # -- main -----------------------------------------------------------------------------------
 
 
+def server_main(argv=None):
+    """`gpuctl-server ARGS`: `gpuplane server ARGS` under the seed's name."""
+    return main(["server", *(sys.argv[1:] if argv is None else argv)])
+
+
 def main(argv=None):
     parser = get_parser()
     Parser.argv = Parser.argv_seen = list(sys.argv[1:] if argv is None else argv)
