@@ -1639,14 +1639,15 @@ class Slurm:
         for extra in ([], ["-c"]):
             try:
                 r = self._run("sacct", *extra, "-n", "-P", "-X", "-S", "now-30days", *sel,
-                              "-o", "JobIDRaw,State,ExitCode,NodeList")
+                              "-o", "JobIDRaw,State,ExitCode,NodeList,JobName")
             except SlurmError:
                 return out
             if r.returncode != 0 or not r.stdout.strip():
                 continue
             for line in r.stdout.splitlines():
                 f = line.split("|")
-                if len(f) < 4:
+                # what was asked for only: `sacct -c` (the completion log) filters less
+                if len(f) < 5 or (f[0] not in ids if ids else f[4] != name):
                     continue
                 code, _, sig = f[2].partition(":")
                 out[f[0]] = {"state": f[1].split()[0] if f[1] else "", "reason": "",
@@ -1903,7 +1904,8 @@ class SlurmLauncher:
         return False
 
     def due(self, now):
-        return self.next_poll if self.pending else now + IDLE_WAKE_S
+        # a poll with the submitters wakes the runner when it answers
+        return self.next_poll if self.pending and not self._polling else now + IDLE_WAKE_S
 
     def poll(self, now):
         """When due, one squeue for every job not yet ended, run by a submitter thread

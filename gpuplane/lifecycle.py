@@ -178,6 +178,17 @@ class Lifecycle:
                 t.commands.append(lambda: self.agents.start(job, secret))
         return job
 
+    def waiting_in_slurm(self, job_id, attempt, slurm_job_id, reason, t=None):
+        """A Slurm agent submitted the attempt and Slurm holds it PENDING (`reason` is
+        Slurm's). The job stays DISPATCHED, its slot held; not a transition, so no event."""
+        with self._tx(t) as t:
+            if slurm_job_id:
+                runs.set_slurm_job_id(t.conn, job_id, attempt, slurm_job_id)
+            if reason:
+                jobs.set_waiting_in_slurm(t.conn, job_id, attempt,
+                                          f"queued in Slurm (job {slurm_job_id}): {reason}")
+            t.publish = True
+
     def started(self, job_id, attempt, ts=None, t=None, slurm_job_id=None, resumed_from=None):
         """The agent started the attempt (from the checkpoint `resumed_from`, one of the
         job's earlier runs', when it handed it GPUCTL_RESUME_FROM). Returns whether the job
