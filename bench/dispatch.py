@@ -13,8 +13,11 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
 2. the time to drain `--drain` trivial jobs through `--slots` GPU slots, `--rounds`
    times, each beside a direct drain of the same commands (`--slots` subprocess.run at a
    time), the two alternated (G D, D G, ...), with the CPU of each part;
-and, as the baseline in the same run, the bare cost of starting the same processes with
-subprocess directly. Prints both, the ratio of each round and their median.
+and, as the baselines in the same run, the bare cost of starting the same processes with
+subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
+of this run; skipped, saying so, where `tsp` is not installed) draining the same commands,
+the three rotated (G D T, D T G, T G D, ...). Prints each, the ratio of each round and
+their median.
 """
 import argparse
 import concurrent.futures
@@ -195,15 +198,48 @@ def main():
             r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             return seconds, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
 
+        # Debian's task-spooler as a peer: its own server on a socket of this run, `-S`
+        # slots, one `tsp CMD` client per job (as GPUPlane has one POST per job); the
+        # drain ends when `tsp -l` lists every job finished (looked at every 20 ms).
+        tsp = shutil.which("tsp") or shutil.which("ts")
+        tsp_env = dict(os.environ, TS_SOCKET=str(work / "tsp.socket"), TS_MAXFINISHED="100000",
+                       TS_SLOTS=str(args.slots), TMPDIR=str(work))
+
+        def tsp_run(*argv):
+            return subprocess.run([tsp, *argv], env=tsp_env, cwd=work, check=True,
+                                  capture_output=True, text=True).stdout
+
+        def tsp_drain():
+            tsp_run("-C")                         # forget the last round's finished jobs
+            t0 = time.monotonic()
+            for _ in range(args.drain):
+                tsp_run(*trivial)
+            while True:
+                listed = [line.split() for line in tsp_run("-l").splitlines()[1:]
+                          if line.strip()]
+                if len(listed) >= args.drain and all(f[1] == "finished" for f in listed):
+                    break
+                time.sleep(0.02)
+            seconds = time.monotonic() - t0
+            bad = [f for f in listed if f[3] != "0"]
+            if bad:
+                raise SystemExit(f"task-spooler: {len(bad)} jobs failed: {bad[:3]}")
+            # its jobs' CPU, as `tsp -l` lists it (user/system of each; its server is
+            # not this process's child, so getrusage cannot see them)
+            return seconds, sum(float(x) for f in listed for x in f[4].split("/")[1:])
+
+        if tsp:
+            tsp_run("-S", str(args.slots))        # starts its server with that many slots
+        peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain)] + (
+            [("tsp", tsp_drain)] if tsp else [])
         rounds = []
         for i in range(args.rounds):
-            if i % 2 == 0:
-                g = gpuplane_drain()
-                d = direct_drain()
-            else:
-                d = direct_drain()
-                g = gpuplane_drain()
-            rounds.append((g, d))
+            # each round starts with another of them (G D T, D T G, T G D, ...)
+            order = peers[i % len(peers):] + peers[:i % len(peers)]
+            got = {name: fn() for name, fn in order}
+            rounds.append((got["gpuplane"], got["direct"], got.get("tsp")))
+        if tsp:
+            subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
     finally:
         for p in procs:
             stop_server(p)          # both run as their own process group
@@ -219,16 +255,27 @@ def main():
     print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
     print(f"drain {args.drain} trivial jobs through {args.slots} slots, {args.rounds} rounds "
           "alternated with the direct drain")
-    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu)) in enumerate(rounds, 1):
+    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu), t) in enumerate(rounds, 1):
         print(f"  round {i}  : gpuplane {g_s:.2f} s, direct {d_s:.2f} s "
-              f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x")
+              f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x"
+              + (f"; task-spooler {t[0]:.2f} s (tsp -S {args.slots}): gpuplane "
+                 f"{g_s / t[0]:.2f}x it, it {t[0] / d_s:.2f}x direct" if t else ""))
         print("             CPU: gpuplane " + ", ".join(f"{k} {v:.2f} s" for k, v in g_cpu.items())
-              + f"; direct: the jobs {d_cpu:.2f} s")
+              + f"; direct: the jobs {d_cpu:.2f} s"
+              + (f"; task-spooler: the jobs {t[1]:.2f} s" if t else ""))
         print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
               f" → the next start at the agent {next_start:.0f} ms")
-    ratios = [g[0] / d[0] for g, d in rounds]
+    ratios = [g[0] / d[0] for g, d, _ in rounds]
     print(f"  ratio    : median {statistics.median(ratios):.2f}x "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
+    if rounds and rounds[0][2] is not None:
+        vs = [g[0] / t[0] for g, _, t in rounds]
+        tr = [t[0] / d[0] for _, d, t in rounds]
+        print(f"  vs tsp   : gpuplane median {statistics.median(vs):.2f}x task-spooler "
+              f"(range {min(vs):.2f}-{max(vs):.2f}x); task-spooler median "
+              f"{statistics.median(tr):.2f}x direct")
+    else:
+        print("  task-spooler: skipped (no `tsp` on PATH: apt-get install task-spooler)")
 
 if __name__ == "__main__":
     main()
