@@ -374,6 +374,9 @@ class Sweeper(Worker):
             with self.lifecycle.transaction() as t:
                 db_sweeps.set_state(t.conn, sweep["id"], "DONE")
                 t.publish = True
+            ended = {t["run_id"] for t in trials}
+            for k in [k for k in self._curves if k[0] in ended]:
+                del self._curves[k]         # a finished sweep's curves are not read again
 
     def launch(self, sweep, trial):
         with self.lifecycle.transaction() as t:
