@@ -88,6 +88,7 @@ class RunWindows:
     def __init__(self, ctx):
         self.ctx = ctx                  # run_id, job_id, attempt, node, state, source
         self.spikes = {}                # key -> rules.Spike
+        self.diverge = {}               # key -> rules.Diverge
         self.overfit = {}               # eval key -> rules.Overfit
         self.train_keys = {}            # base -> train key
         self.idle = {}                  # key -> rules.GpuIdle
@@ -337,6 +338,12 @@ class Engine(Worker):
                 self._rebuild(run, key, steps[0], sp.extend, int(self.cfg["spike_window"]))
             for f in sp.extend(steps, values):
                 new += self._store(f, run, fingerprint=f"LOSS_SPIKE:{rid}:{key}:{f['step']}")
+            dv = run.diverge.get(key)
+            if dv is None:
+                dv = run.diverge[key] = rules.Diverge(key, self.cfg)
+                self._rebuild(run, key, steps[0], dv.extend, int(self.cfg["diverge_window"]))
+            for f in dv.extend(steps, values):
+                new += self._store(f, run, fingerprint=f"LOSS_DIVERGED:{rid}:{key}")
         if kind in ("loss", "train"):
             run.train_keys.setdefault(base, key)
             for o in run.overfit.values():

@@ -25,6 +25,10 @@ DEFAULTS = {
     "spike_z": 8.0,               # ... robust z: (x - median) / (1.4826 * MAD)
     "spike_min_ratio": 0.6,       # ... and x at least this much above the median (0.6 = +60%)
     "spike_lr_grace": 50,         # ... no spike this many steps after the logged LR rose
+    "diverge_window": 16,         # LOSS_DIVERGED: the recent level is the median of this many
+    "diverge_ratio": 1.5,         # ... and it is this many times the first level (3 points)
+    "diverge_min_points": 32,     # ... once this many finite points are in
+    "spike_burst": 3.0,           # ... an LR rise beyond this x its earlier max is a burst, no grace
     "overfit_min_evals": 6,       # OVERFITTING_SUSPECTED: eval points needed first
     "overfit_patience": 3,        # ... evals in a row worse than the best (smoothed)
     "overfit_worse": 0.04,        # ... by at least this fraction of the best
@@ -112,10 +116,14 @@ class Spike:
         self.med = self.scale = None
         self.log = False
         self.last_lr = None
+        self.max_lr = 0.0
+        self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
         self.lr_rises = deque(maxlen=64)    # steps at which the learning rate went up
 
     def lr_points(self, steps, values):
-        """The run's learning rate: a rise of more than a fifth marks a restart."""
+        """The run's learning rate: a rise of more than a fifth marks a restart (warm-up,
+        a warm restart), unless it goes beyond `spike_burst` x the highest rate seen
+        before: a burst, whose spikes are the very thing to report."""
         if not values:
             return
         # a decaying or constant rate (nearly always): one C-level pass, no loop
@@ -125,13 +133,16 @@ class Spike:
             v = values[-1]
             if math.isfinite(v):
                 self.last_lr = v
+                self.max_lr = max(self.max_lr, max(filter(math.isfinite, values)))
             return
         for s, v in zip(steps, values):
             if not math.isfinite(v):
                 continue
-            if self.last_lr is not None and v > 1.2 * self.last_lr and v > 0:
+            if self.last_lr is not None and v > 1.2 * self.last_lr and v > 0 and \
+                    not (self.max_lr > 0 and v > self.burst * self.max_lr):
                 self.lr_rises.append(s)
             self.last_lr = v
+            self.max_lr = max(self.max_lr, v)
 
     def _after_lr_rise(self, s):
         return any(0 <= s - r <= self.lr_grace for r in self.lr_rises)
@@ -200,6 +211,55 @@ def _chunk_needs_look(chunk, limit):
         return not (max(chunk) <= limit)      # NaN makes max() unreliable: look then
     except TypeError:
         return True
+
+
+# -- LOSS_DIVERGED ----------------------------------------------------------------------
+
+class Diverge:
+    """A loss that rises far above where it started and stays there, with no NaN: the
+    median of the latest `diverge_window` finite points is `diverge_ratio` x the first
+    level (the median of the key's first 3 points), once `diverge_min_points` are in.
+    Losses only (positive: a key whose first level is <= 0 is not judged so). One finding
+    per key. After a server restart the first level is that of the points it is rebuilt
+    from (the latest ones), so a run that had diverged before is caught only if it goes on
+    rising."""
+
+    def __init__(self, key, cfg=DEFAULTS):
+        self.key = key
+        self.ratio = float(cfg.get("diverge_ratio", DEFAULTS["diverge_ratio"]))
+        self.min_points = int(cfg.get("diverge_min_points", DEFAULTS["diverge_min_points"]))
+        self.recent = deque(maxlen=int(cfg.get("diverge_window", DEFAULTS["diverge_window"])))
+        self.first = []
+        self.n = 0
+        self.fired = False
+
+    def extend(self, steps, values):
+        if self.fired:
+            return []
+        for s, v in zip(steps, values):
+            if not math.isfinite(v):
+                continue
+            self.n += 1
+            if len(self.first) < 3:
+                self.first.append(v)
+            self.recent.append(v)
+            if self.n < self.min_points or self.n % 4:
+                continue
+            f0 = median(self.first)
+            if f0 <= 0:
+                continue
+            now = median(self.recent)
+            if now > self.ratio * f0:
+                self.fired = True
+                return [finding(
+                    "LOSS_DIVERGED", CRITICAL, s,
+                    f"{self.key} has risen to {_fmt(now)} (the median of its last "
+                    f"{len(self.recent)} points, up to step {s}), {now / f0:.1f}x its first "
+                    f"values ({_fmt(f0)}): training is diverging without a NaN; lower the "
+                    f"learning rate or clip gradients",
+                    key=self.key, level=now, first_level=f0, ratio=round(now / f0, 2),
+                    window=len(self.recent))]
+        return []
 
 
 # -- OVERFITTING_SUSPECTED --------------------------------------------------------------

@@ -21,7 +21,7 @@ import math
 import re
 import statistics
 
-from . import params, vocab
+from . import curves, params, vocab
 from .next_actions import action, resubmit
 
 # What a key means (its role, loss-like, its direction) is gpuplane/vocab.py's; these
@@ -30,45 +30,34 @@ direction = vocab.name_direction
 is_step_like = vocab.is_step_like
 
 
-TREND_WINDOW = 0.10      # compare the last 10% of the run with the 10% before it
-TREND_TOLERANCE = 0.01   # relative change below this is "flat"
-
-
 def trend(series_points, d):
-    """'improving' | 'worsening' | 'flat' | 'unknown': mean of the last 10% of the run's
-    steps against the 10% before. `series_points` are the buckets of a downsampled series
-    ([step, min, max, mean, last, count], about 200 of them); `d` is 'min' or 'max'."""
-    pts = [p for p in series_points if p[3] is not None and math.isfinite(p[3])]
-    if len(pts) < 4 or sum(p[5] for p in pts) < 4:
+    """'improving' | 'worsening' | 'flat' | 'unknown', from the curve's facts
+    (gpuplane/curves.py): the last 10% against the 10% before, beyond the curve's own noise,
+    and never 'improving' while far worse than where the curve started. `series_points` are
+    the buckets of a downsampled series ([step, min, max, mean, last, count]); `d` is
+    'min', 'max' or None (an unknown direction: 'unknown')."""
+    pts = [(p[0], p[3]) for p in series_points if p[3] is not None and math.isfinite(p[3])]
+    if d is None or len(pts) < 4 or sum(p[5] for p in series_points
+                                        if p[3] is not None and math.isfinite(p[3])) < 4:
         return "unknown"
-    k = max(1, round(len(pts) * TREND_WINDOW))
-    last, prev = pts[-k:], pts[-2 * k:-k]
-
-    def mean(ps):
-        n = sum(p[5] for p in ps)
-        return sum(p[3] * p[5] for p in ps) / n
-
-    a, b = mean(last), mean(prev)
-    if abs(a - b) <= TREND_TOLERANCE * max(abs(a), abs(b)) or a == b:
-        return "flat"
-    better = a < b if d == "min" else a > b
-    return "improving" if better else "worsening"
+    f = curves.facts(pts, d)
+    return f["trend"] if f else "unknown"
 
 
-# diagnose_run thresholds (docs/mcp.md explains each).
-MIN_POINTS = 10              # fewer points in the judged curve: too early to tell
+# diagnose_run thresholds (docs/mcp.md explains each); the curve's own are in curves.py.
+MIN_POINTS = curves.MIN_POINTS   # fewer points in the judged curve: too early to tell
 MAX_CURVE_POINTS = 2000      # longer curves (raw points) are judged as bucket means
-RECENT = 0.2                 # the recent window: the last 20% of the curve
-PLATEAU_WINDOW = 0.3         # plateaued: the last 30% gained less than ...
-PLATEAU_SHARE = 0.02         # ... 2% of the improvement so far (and no more than noise)
-WORSEN_SHARE = 0.25          # worsened: recent median lost 25% of the improvement ...
-NOISE_SIGMAS = 3.0           # ... and more than 3 noise widths
+PLATEAU_SHARE = 0.02         # plateaued (a running run): the last 30% gained < 2% ...
+PLATEAU_WINDOW = 0.3
+OVERFIT_SHARE = 0.15         # overfitting: eval's end level 15% worse than its best ...
+OVERFIT_SIGMAS = 3.0         # ... and more than 3 noise widths, while train improved
+WORSEN_SHARE = 0.5           # diverging: the train loss's end gave back half its gain
 STALL_MIN_S = 300            # stalled: no point for 5 min and ...
 STALL_INTERVALS = 10         # ... 10 times the run's usual interval between points
 SIGNIFICANT_SIGMAS = 2.0     # compare_runs: a difference beyond 2 combined noise widths
 
-VERDICTS = ("healthy", "diverging", "plateaued", "overfitting", "stalled", "failed",
-            "too early to tell")
+VERDICTS = ("healthy", "diverging", "not learning", "unstable", "overfitting", "plateaued",
+            "stalled", "failed", "too early to tell")
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -101,59 +90,37 @@ def _badness(values, direction):
 
 
 def noise(values):
-    """A robust width of the curve's step-to-step jitter: MAD of first differences,
-    scaled to a standard deviation of one value (1.4826 / sqrt 2)."""
-    if len(values) < 3:
-        return 0.0
-    diffs = [b - a for a, b in zip(values, values[1:])]
-    med = statistics.median(diffs)
-    mad = statistics.median(abs(d - med) for d in diffs)
-    return mad * 1.4826 / math.sqrt(2)
-
-
-def _window(values, share, tail=True):
-    k = max(2, round(len(values) * share))
-    return values[-k:] if tail else values[:k]
+    """A robust width of the curve's step-to-step jitter (curves.noise)."""
+    return curves.noise(values)
 
 
 def curve_facts(points, direction):
-    """What the rules read off one curve (None when it has no finite points)."""
-    pts = _finite_points(points)
-    if not pts:
-        return None
+    """The facts of one curve (curves.facts); a long raw curve is judged as bucket means,
+    since the windows below are not linear in its length. None without a finite point."""
+    pts = curves.finite_points(points)
     if len(pts) > MAX_CURVE_POINTS:
-        pts = _bucket_means(pts, MAX_CURVE_POINTS // 2)
-    steps = [s for s, _ in pts]
-    b = _badness([v for _, v in pts], direction)
+        bad = next((p for p in points if not math.isfinite(num(p[1]))), None)
+        points = _bucket_means(pts, MAX_CURVE_POINTS // 2) + ([bad] if bad else [])
+    f = curves.facts(points, direction)
+    if f is None:
+        return None
+    # the best smoothed level (a 5% running median), so one lucky point makes no trough
+    b = [v if direction != "max" else -v for _, v in curves.finite_points(points)]
     n = len(b)
-    start = statistics.median(_window(b, 0.1, tail=False))
-    recent = statistics.median(_window(b, RECENT))
-    # Best on a lightly smoothed curve, so one lucky point does not make a trough.
-    k = max(1, n // 20)
+    k = max(1, n // 40)
     smooth = [statistics.median(b[max(0, i - k):i + k + 1]) for i in range(n)]
     i_best = min(range(n), key=smooth.__getitem__)
-    best = smooth[i_best]
+    sign = -1 if direction == "max" else 1
+    f["best_level"] = sign * smooth[i_best]           # smoothed
+    f["best_level_step"] = curves.finite_points(points)[i_best][0]
+    f["best_at"] = i_best / max(1, n - 1)
     w = max(2, round(n * PLATEAU_WINDOW))
-    before_window = statistics.median(b[-w:][:max(1, w // 3)])
-    sign = 1 if direction == "min" else -1
-    return {
-        "points": n,
-        "first_step": steps[0],
-        "last_step": steps[-1],
-        "start": sign * start,
-        "recent": sign * recent,
-        "best": sign * best,
-        "best_step": steps[i_best],
-        "best_at": i_best / max(1, n - 1),        # 0 = first point, 1 = last
-        "improvement": start - best,               # >= 0, in the direction's sense
-        "worsening": recent - best,                # >= 0: how far the recent window fell back
-        "late_gain": before_window - recent,       # gain over the last 30%
-        "noise": noise(b[-max(3, round(n * RECENT * 2)):]),
-    }
+    f["late_gain"] = statistics.median(b[-w:][:max(1, w // 3)]) - statistics.median(b[-max(2, w // 3):])
+    return f
 
 
 def _bucket_means(pts, n):
-    """A long raw curve as n bucket means (the rules below are not linear in length)."""
+    """A long raw curve as n bucket means."""
     size = -(-len(pts) // n)
     out = []
     for i in range(0, len(pts), size):
@@ -162,15 +129,35 @@ def _bucket_means(pts, n):
     return out
 
 
-def _worsened(f):
-    return (f["worsening"] > NOISE_SIGMAS * f["noise"]
-            and f["worsening"] > WORSEN_SHARE * f["improvement"]
-            and f["best_at"] < 0.85)
+def _bad(f, key):
+    """A value of the curve as badness (lower is better)."""
+    return -f[key] if f["direction"] == "max" else f[key]
+
+
+def _gave_back(f):
+    """Learnt, then got much worse and stayed there: the end level gave back more than
+    WORSEN_SHARE of the gain from the start to the best level, beyond the noise."""
+    gain = _bad(f, "start_level") - _bad(f, "best_level")
+    back = _bad(f, "end_level") - _bad(f, "best_level")
+    return gain > 0 and back > WORSEN_SHARE * gain and back > 3 * f["noise"] \
+        and f["best_at"] < 0.9
+
+
+def _overfit(fe, ft):
+    """Eval's end level worse than its best level by OVERFIT_SHARE and OVERFIT_SIGMAS
+    noise widths, while the train curve improved from its start."""
+    if fe is None or ft is None or fe["direction"] is None:
+        return False
+    back = _bad(fe, "end_level") - _bad(fe, "best_level")
+    scale = max(abs(fe["best_level"]), 1e-12)
+    return (back > OVERFIT_SHARE * scale and back > OVERFIT_SIGMAS * fe["noise"]
+            and fe["best_at"] < 0.85 and ft["improvement_share"] > curves.NOT_LEARNING_SHARE
+            and not curves.diverged(ft))
 
 
 def _plateaued(f):
-    return (f["late_gain"] <= max(PLATEAU_SHARE * f["improvement"], f["noise"])
-            and f["worsening"] <= NOISE_SIGMAS * f["noise"] + PLATEAU_SHARE * f["improvement"])
+    gain = _bad(f, "start_level") - _bad(f, "best_level")
+    return f["late_gain"] <= max(PLATEAU_SHARE * gain, f["noise"])
 
 
 def pick_primary(keys, primary=None):
@@ -204,8 +191,11 @@ def _train_key(keys):
 # -- diagnose_run ----------------------------------------------------------------------------
 
 def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
-    """A verdict on one run: healthy, diverging, plateaued, overfitting, stalled, failed or
-    too early to tell, with the evidence and what to do next."""
+    """A verdict on one run — healthy, diverging, not learning, unstable, overfitting,
+    plateaued, stalled, failed or too early to tell — with the evidence, how sure it is
+    (`confidence`: points, noise, margin) and what to do next. The curves are judged from
+    their facts (gpuplane/curves.py), the same facts `trend` reads; the run's warning
+    events count as evidence, so the verdict never contradicts an event on the run."""
     run_id, job_id = run.get("id"), run.get("job_id")
     state = run.get("state")
     by_key = {k["key"]: k for k in keys}
@@ -215,20 +205,29 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     facts = {}
     for name in {main, train} - {None}:
         facts[name] = curve_facts(by_key[name].get("points") or [], by_key[name]["direction"])
+    sure = {"level": "high", "points": 0, "noise": None, "why": ""}
 
     def result(verdict, summary, actions):
         return {"run_id": run_id, "job_id": job_id, "state": state, "verdict": verdict,
                 "summary": summary, "primary_key": main, "evidence": evidence,
+                "confidence": sure,
                 "curves": {k: _wire_facts(f) for k, f in facts.items() if f},
                 "next_actions": actions}
 
+    def confident(level, name, why):
+        f = facts.get(name)
+        sure.update(level=level, points=f["points"] if f else 0,
+                    noise=f["noise"] if f else None, why=why)
+
     bad_events = [e for e in events if e.get("severity") in ("warning", "critical")]
+    kinds = {e.get("type") for e in bad_events}
     for e in bad_events[-5:]:
         evidence.append(f"event {e.get('type')}: {e.get('message') or ''}".strip())
 
     if state == "FAILED":
         evidence.insert(0, f"the run ended FAILED (failure kind {run.get('failure_kind')}, "
                            f"exit code {run.get('exit_code')})")
+        sure.update(why="the run's state")
         acts = []
         if job_id:
             acts.append(action("explain_failure", "find the cause in the job's log",
@@ -245,15 +244,24 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
         latest = (k.get("latest") or {}).get("value")
         if latest is not None and not math.isfinite(num(latest)):
             evidence.insert(0, f"{name} is {wire(num(latest))} at step "
-                               f"{(k.get('latest') or {}).get('step')}")
+                               f"{(k.get('latest') or {}).get('step')} (logged)")
+            sure.update(why="a logged non-finite value")
             return result("diverging", f"{name} became {wire(num(latest))}: training blew up",
                           _fix_actions(run, job_id, "lower the learning rate, add gradient "
                                        "clipping, check the data for NaNs"))
+    if "LOSS_NAN" in kinds:
+        e = next(e for e in bad_events if e.get("type") == "LOSS_NAN")
+        evidence.insert(0, e.get("message") or "a loss became NaN")
+        sure.update(why="a LOSS_NAN event")
+        return result("diverging", "a loss became non-finite: training blew up",
+                      _fix_actions(run, job_id, "lower the learning rate, add gradient "
+                                   "clipping, check the data for NaNs"))
 
     if state == "RUNNING" and now_ms is not None:
         stall = _stall(run, keys, now_ms)
         if stall:
             evidence.insert(0, stall)
+            sure.update(why="the time since the last point")
             acts = [action("get_job_logs", "see whether the process still prints anything",
                            job_id=job_id, tail=50)] if job_id else []
             if job_id:
@@ -274,6 +282,7 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
         have = facts[main]["points"] if main and facts.get(main) else 0
         evidence.insert(0, f"{main or 'no metric'} has {have} points; "
                            f"{MIN_POINTS} are needed to judge a curve")
+        sure.update(level="low", points=have, why="too few points")
         acts = []
         if job_id and state not in FINAL_STATES:
             acts.append(action("wait_for_job", "wait for more of the run before judging",
@@ -283,60 +292,120 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
         return result("too early to tell", f"run {run_id} has too little data to judge", acts)
 
     f = facts[main]
-    d = by_key[main]["direction"]
-    ft = facts.get(train) if train and train != main else None
-    if main == train or ft is None or not is_eval_key(main):
-        # One curve to judge (or the primary is not an eval metric): a worsening curve
-        # is divergence.
-        if _worsened(f):
-            evidence.insert(0, _worse_text(main, f, d))
-            return result("diverging", f"{main} got worse after step {f['best_step']}",
-                          _fix_actions(run, job_id, "lower the learning rate or resume "
-                                       f"from the checkpoint near step {f['best_step']}"))
-    else:
-        if ft and _worsened(ft):
-            evidence.insert(0, _worse_text(train, ft, by_key[train]["direction"]))
-            return result("diverging", f"{train} got worse after step {ft['best_step']}",
-                          _fix_actions(run, job_id, "lower the learning rate or resume "
-                                       f"from the checkpoint near step {ft['best_step']}"))
-        if _worsened(f):
-            evidence.insert(0, _worse_text(main, f, d))
-            if ft:
-                evidence.insert(1, f"while {train} kept improving (best {_fmt(ft['best'])} "
-                                   f"at step {ft['best_step']}, now {_fmt(ft['recent'])})")
-            acts = [action("list_checkpoints", "pick the checkpoint near the best "
-                           f"{main} (step {f['best_step']})", run_id=run_id),
-                    action("get_best_checkpoint", "let the platform pick it by the "
-                           "primary metric", run_id=run_id)]
-            if job_id and state not in FINAL_STATES:
-                acts.append(action("cancel_job", "further training only overfits",
-                                   job_id=job_id))
-            acts += resubmit(run.get("job"), "retrain with more regularisation (weight "
-                             "decay, dropout, augmentation) or early stopping: change the "
-                             "command before submitting")
-            return result("overfitting", f"{main} is worse than at step {f['best_step']} "
-                          f"while {train} still improves", acts)
+    ft = facts.get(train) if enough(train) else None
+    # the curve that learns: the train loss when there is one, else the primary
+    lname, lf = (train, ft) if ft else (main, f)
+    few = lf["points"] < 3 * MIN_POINTS
 
-    if _plateaued(f) and (state not in FINAL_STATES or f["improvement"] <= f["noise"]):
-        evidence.insert(0, f"{main} changed by {_fmt(f['late_gain'])} over the last "
-                           f"{int(PLATEAU_WINDOW * 100)}% of the run (noise "
-                           f"{_fmt(f['noise'])}, total improvement {_fmt(f['improvement'])})")
+    # Diverging without a NaN: the loss ends far above its first values, or learnt and
+    # then gave most of it back and stayed there.
+    for name, cf in ((lname, lf), (main, f)):
+        if cf and ((cf["direction"] == "min" and curves.diverged(cf)) or
+                   (name == lname and cf["direction"] and _gave_back(cf))):
+            evidence.insert(0, _levels_text(name, cf, by_key.get(name)))
+            far = curves.diverged(cf)
+            ratio = cf["end_level"] / max(min(cf["first_level"], cf["start_level"]), 1e-12)
+            confident("medium" if few else "high", name,
+                      f"the end level is {ratio:.1f}x the first values" if far else
+                      "the end level gave back most of the gain")
+            what = (f"ended far above where it started ({_fmt(cf['end_level'])} smoothed, "
+                    f"against {_fmt(min(cf['first_level'], cf['start_level']))} at first)"
+                    if far else f"got worse after step {cf['best_level_step']} and stayed")
+            return result("diverging", f"{name} {what}",
+                          _fix_actions(run, job_id, "lower the learning rate (by 3-10x) or "
+                                       "clip gradients; resume from the checkpoint before "
+                                       f"step {cf['best_level_step']} if there is one"))
+
+    if curves.not_learning(lf) and (lf is f or curves.not_learning(f) or
+                                    f["improvement_share"] < 3 * curves.NOT_LEARNING_SHARE):
+        evidence.insert(0, _levels_text(lname, lf, by_key.get(lname)))
+        share = lf["improvement_share"]
+        confident("medium" if few or share > 0.5 * curves.NOT_LEARNING_SHARE else "high",
+                  lname, f"it gained {100 * share:.1f}% of its start level "
+                  f"(under {100 * curves.NOT_LEARNING_SHARE:.0f}% is not learning)")
         acts = []
         if job_id and state not in FINAL_STATES:
+            acts.append(action("cancel_job", "it does not learn; stop to free the GPU",
+                               job_id=job_id))
+        acts += resubmit(run.get("job"), "check that the learning rate is not 0 or far too "
+                         "small, that the labels match the inputs, and that the optimiser "
+                         "steps (a learning-rate range test finds a working rate): change "
+                         "the command before submitting")
+        return result("not learning", f"{lname} stays where it started "
+                      f"({_fmt(lf['start_level'])} at first, {_fmt(lf['end_level'])} at the "
+                      f"end, smoothed)", acts)
+
+    spikes = [s for s in (lf["spikes"] if lf else []) if s["recovered"]]
+    if "LOSS_SPIKE" in kinds or spikes:
+        if spikes:
+            s = spikes[0]
+            evidence.insert(0, f"{lname} jumped to {_fmt(s['value'])} at step {s['step']} "
+                               f"(logged; {_fmt(s['level'])} before it, smoothed) and came "
+                               f"back" + (f"; {len(spikes)} such spikes" if len(spikes) > 1
+                                          else ""))
+        confident("high" if "LOSS_SPIKE" in kinds and spikes else "medium", lname,
+                  "a LOSS_SPIKE event and the curve's own spikes" if "LOSS_SPIKE" in kinds
+                  and spikes else "a LOSS_SPIKE event" if "LOSS_SPIKE" in kinds
+                  else "the curve's own spikes (no event fired)")
+        step = spikes[0]["step"] if spikes else None
+        acts = resubmit(run.get("job"), "clip gradients (e.g. max norm 1.0), lower the peak "
+                        "learning rate or lengthen its warm-up"
+                        + (f"; check the batch at step {step}" if step is not None else "")
+                        + ": change the command before submitting")
+        if job_id and state not in FINAL_STATES:
+            acts.insert(0, action("wait_for_job", "it recovered; watch that it stays so",
+                                  job_id=job_id, timeout_s=600))
+        return result("unstable", f"{lname} has large spikes it recovers from", acts)
+
+    if is_eval_key(main) and main != lname and (_overfit(f, ft or lf) or
+                                                "OVERFITTING_SUSPECTED" in kinds):
+        evidence.insert(0, _levels_text(main, f, by_key.get(main)))
+        evidence.insert(1, f"while {lname} kept improving ({_fmt(lf['start_level'])} -> "
+                           f"{_fmt(lf['end_level'])}, smoothed)")
+        back = _bad(f, "end_level") - _bad(f, "best_level")
+        confident("medium" if f["points"] < MIN_POINTS * 2 else "high", main,
+                  f"the end level is {_fmt(back)} worse than the best level "
+                  f"({100 * back / max(abs(f['best_level']), 1e-12):.0f}%; noise "
+                  f"{_fmt(f['noise'])})")
+        acts = [action("list_checkpoints", "pick the checkpoint near the best "
+                       f"{main} (step {f['best_level_step']})", run_id=run_id),
+                action("get_best_checkpoint", "let the platform pick it by the "
+                       "primary metric", run_id=run_id)]
+        if job_id and state not in FINAL_STATES:
+            acts.append(action("cancel_job", "further training only overfits",
+                               job_id=job_id))
+        acts += resubmit(run.get("job"), "retrain with more data or regularisation (weight "
+                         "decay, dropout, augmentation) or stop early: change the command "
+                         "before submitting")
+        return result("overfitting", f"{main} is worse than at step {f['best_level_step']} "
+                      f"while {lname} still improves", acts)
+
+    if state not in FINAL_STATES and _plateaued(f):
+        evidence.insert(0, f"{main} changed by {_fmt(f['late_gain'])} (smoothed) over the "
+                           f"last {int(PLATEAU_WINDOW * 100)}% of the run (noise "
+                           f"{_fmt(f['noise'])})")
+        confident("medium" if few else "high", main, "the last 30% gained less than the "
+                  "noise")
+        acts = []
+        if job_id:
             acts.append(action("cancel_job", "the curve no longer moves; stop to free "
                                "the GPU", job_id=job_id))
         acts.append(action("get_best_checkpoint", "take the best checkpoint so far",
                            run_id=run_id))
-        acts += resubmit(run.get("job"), "try a higher learning rate or a schedule with "
-                         "decay, or a larger model: change the command before submitting")
+        acts += resubmit(run.get("job"), "if it should go lower: a schedule that decays the "
+                         "learning rate, or a larger model: change the command before "
+                         "submitting")
         return result("plateaued", f"{main} has stopped improving", acts)
 
-    evidence.insert(0, f"{main}: {_fmt(f['start'])} at first, best {_fmt(f['best'])} at "
-                       f"step {f['best_step']}, recently {_fmt(f['recent'])} "
-                       f"(noise {_fmt(f['noise'])})")
+    evidence.insert(0, _levels_text(main, f, by_key.get(main)))
+    if main != lname:
+        evidence.insert(1, _levels_text(lname, lf, by_key.get(lname)))
     if state in FINAL_STATES and _plateaued(f):
         evidence.append(f"{main} converged: the last {int(PLATEAU_WINDOW * 100)}% of the "
                         "run gained little")
+    confident("low" if few else "medium" if f["points"] < 3 * MIN_POINTS else "high", main,
+              f"{lname} gained {100 * lf['improvement_share']:.0f}% of its start level, no "
+              "spike, no rise after its best")
     acts = []
     if job_id and state not in FINAL_STATES:
         acts.append(action("wait_for_job", "keep watching until it ends or an event "
@@ -383,10 +452,24 @@ def _fix_actions(run, job_id, advice):
     return acts
 
 
-def _worse_text(name, f, direction):
-    return (f"{name}: best {_fmt(f['best'])} at step {f['best_step']}, recently "
-            f"{_fmt(f['recent'])} ({'higher' if direction == 'min' else 'lower'} by "
-            f"{_fmt(f['worsening'])}; noise {_fmt(f['noise'])})")
+def _levels_text(name, f, k):
+    """The curve in numbers, each said for what it is: logged points (the key's own best
+    and latest, the first point when the curve is not downsampled) or smoothed levels."""
+    k = k or {}
+    downsampled = (k.get("count") or 0) > f["points"]
+    first = ("first " + _fmt(f["first"]["value"]) + f" at step {f['first']['step']} "
+             + ("(a bucket mean)" if downsampled else "(logged)"))
+    best = k.get("best") or {}
+    latest = k.get("latest") or {}
+    parts = [first]
+    if best.get("value") is not None and f["direction"]:
+        parts.append(f"best {_fmt(num(best['value']))} at step {best.get('step')} (logged)")
+    if latest.get("value") is not None:
+        parts.append(f"last {_fmt(num(latest['value']))} at step {latest.get('step')} "
+                     "(logged)")
+    return (f"{name}: " + ", ".join(parts) + f"; smoothed level {_fmt(f['start_level'])} at "
+            f"the start, {_fmt(f['end_level'])} at the end, noise {_fmt(f['noise'])} over "
+            f"{f['points']} points")
 
 
 def _fmt(v):
@@ -396,7 +479,11 @@ def _fmt(v):
 
 
 def _wire_facts(f):
-    return {k: wire(v) if isinstance(v, float) else v for k, v in f.items()}
+    if isinstance(f, dict):
+        return {k: _wire_facts(v) for k, v in f.items()}
+    if isinstance(f, list):
+        return [_wire_facts(v) for v in f]
+    return wire(f) if isinstance(f, float) else f
 
 
 # -- compare_runs ----------------------------------------------------------------------------

@@ -85,8 +85,9 @@ def test_overfitting_eval_worse_train_better():
 
 
 def test_plateau_while_running():
-    vals = [1.0 + 0.002 * math.sin(i) for i in range(120)]
-    r = A.diagnose_run(run("RUNNING"), [key("train/loss", vals, ts0=NOW - 120_000)],
+    # learnt, then flat for the last two thirds (a flat line from the start does not learn)
+    vals = decaying(300, rate=0.08)
+    r = A.diagnose_run(run("RUNNING"), [key("train/loss", vals, ts0=NOW - 300_000)],
                        now_ms=NOW)
     assert r["verdict"] == "plateaued", r
     assert tools(r)[0] == "cancel_job"
@@ -323,5 +324,5 @@ def test_config_diff_reads_the_command_line():
 def test_a_long_raw_curve_is_judged_from_bucket_means():
     vals = decaying(100_000, rate=0.0001, noise=0.01)
     f = A.curve_facts([[i, v] for i, v in enumerate(vals)], "min")
-    assert f["points"] == 1000 and f["best_step"] > 90_000
+    assert f["points"] == 1000 and f["best"]["step"] > 80_000
     assert A.diagnose_run(run(), [key("train/loss", vals)])["verdict"] == "healthy"

@@ -1,0 +1,180 @@
+"""Curve facts: what one metric curve says, computed once, read by every judgement.
+
+`facts(points, direction)` turns a curve (logged points, or the bucket means of a long
+series) into plain numbers: where it started, its best and last logged points, its noise,
+its smoothed level at the start and at the end, its spikes and whether it recovered from
+them, how far it ended from where it began, and its trend. `semantic.trend` (run show,
+get_metric_summary, the dashboard), `semantic.diagnose_run` and `compare_runs` all read
+these facts, so on one curve they tell one story. Pure: no SQL, no I/O, no clock.
+
+Numbers come in two kinds and are named so: `first`, `best`, `last` and the spikes'
+values are logged points ({"step", "value"}); `start_level`, `end_level` and `noise` are
+smoothed (robust medians of windows) and every text that quotes them says "smoothed".
+Thresholds are module constants, documented in docs/mcp.md; they were set on the tuning
+half of bench/data/real_runs.json.gz (bench/judgement.py scores both halves).
+"""
+import math
+import statistics
+
+START_SHARE = 0.10        # the start level: the median of the first 10% (at least 3 points)
+END_SHARE = 0.10          # the end level: the median of the last 10% (at least 3 points)
+TREND_SHARE = 0.10        # trend: the last 10% against the 10% before it
+TREND_Z = 3.0             # ... a change beyond 3 standard errors of the two medians
+TREND_MIN_REL = 0.005     # ... and beyond 0.5% of the level
+SPIKE_Z = 8.0             # a spike: a point 8 noise widths above the running median
+SPIKE_RATIO = 1.0         # ... and at least this much above it (1.0 = twice the level)
+SPIKE_WINDOW = 9          # ... the running median over the 9 points before it
+DIVERGE_RATIO = 1.5       # diverged: a loss whose end level is 1.5x its first values
+NOT_LEARNING_SHARE = 0.10  # not learning: the end within 10% of the start level
+MIN_POINTS = 10           # fewer points: too early to judge
+
+
+def finite_points(points):
+    """(step, value) pairs with a finite value; values may be wire strings or None."""
+    out = []
+    for p in points:
+        v = _num(p[1])
+        if math.isfinite(v):
+            out.append((p[0], v))
+    return out
+
+
+def _num(v):
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        try:
+            return float(v.replace("Infinity", "inf"))
+        except ValueError:
+            return math.nan
+    return float(v)
+
+
+def noise(values):
+    """A robust width of the step-to-step jitter of one value: the MAD of the first
+    differences, scaled to the standard deviation of one point (1.4826 / sqrt 2)."""
+    if len(values) < 3:
+        return 0.0
+    diffs = [b - a for a, b in zip(values, values[1:])]
+    med = statistics.median(diffs)
+    mad = statistics.median(abs(d - med) for d in diffs)
+    return mad * 1.4826 / math.sqrt(2)
+
+
+def _win(n, share):
+    return min(n, max(3, round(n * share)))
+
+
+def facts(points, direction):
+    """The facts of one curve, or None without a finite point. `direction` 'min' | 'max'
+    (None: unknown: no best, no better or worse, trend 'unknown'). Badness is the value
+    turned so that lower is better; the *_level fields are in the metric's own units."""
+    all_pts = list(points)
+    pts = finite_points(all_pts)
+    nonfinite = next(({"step": p[0], "value": p[1]} for p in all_pts
+                      if not math.isfinite(_num(p[1]))), None)
+    if not pts:
+        return None
+    sign = -1.0 if direction == "max" else 1.0
+    steps = [s for s, _ in pts]
+    vals = [v for _, v in pts]
+    b = [sign * v for v in vals]
+    n = len(b)
+    ks, ke = _win(n, START_SHARE), _win(n, END_SHARE)
+    start = statistics.median(b[:ks])
+    first3 = statistics.median(b[:min(3, n)])
+    end = statistics.median(b[-ke:])
+    nz = noise(b[-max(3, n // 2):])        # the noise of the later half: warm-up is not noise
+    spikes = _spikes(steps, b, vals, sign)
+    i_best = min(range(n), key=b.__getitem__)
+    scale = max(abs(start), abs(first3), nz, 1e-12)
+    out = {
+        "points": n,
+        "first_step": steps[0],
+        "last_step": steps[-1],
+        "first": {"step": steps[0], "value": vals[0]},
+        "last": {"step": steps[-1], "value": vals[-1]},
+        "best": ({"step": steps[i_best], "value": vals[i_best]} if direction else None),
+        "start_level": sign * start,           # smoothed
+        "first_level": sign * first3,          # smoothed over the first 3 points
+        "end_level": sign * end,               # smoothed
+        "noise": nz,                           # smoothed
+        "improvement": start - end,            # > 0: better at the end than at the start
+        "improvement_share": (start - end) / scale,
+        "spikes": spikes,
+        "nonfinite": nonfinite,
+        "direction": direction,
+    }
+    out["trend"] = _trend(b, nz, start, first3, direction)
+    return out
+
+
+def _trend(b, nz, start, first3, direction):
+    n = len(b)
+    if direction is None or n < 4:
+        return "unknown"
+    k = max(3, round(n * TREND_SHARE))
+    if 2 * k > n:
+        k = n // 2
+    last, prev = b[-k:], b[-2 * k:-k]
+    a, p = statistics.median(last), statistics.median(prev)
+    # the standard error of a median of k points is about 1.253 sigma / sqrt(k)
+    se = 1.253 * nz * math.sqrt(2.0 / k)
+    level = max(abs(a), abs(p), 1e-12)
+    # Far worse than where it started (a loss far above its first values) is not
+    # improving, whatever its last windows do.
+    origin = min(start, first3)
+    if a - origin > max(TREND_Z * se, (DIVERGE_RATIO - 1) * abs(origin), TREND_MIN_REL * level):
+        return "worsening"
+    d = a - p
+    if abs(d) <= max(TREND_Z * se, TREND_MIN_REL * level):
+        return "flat"
+    return "improving" if d < 0 else "worsening"
+
+
+def _spikes(steps, b, vals, sign):
+    """Points far above the running median of the points before them (in badness), with
+    whether the curve came back: its level 5-20 points later within reach of the level
+    before. At most 20, the largest first."""
+    n = len(b)
+    if n < SPIKE_WINDOW + 3:
+        return []
+    nz = noise(b)
+    out = []
+    for i in range(SPIKE_WINDOW, n):
+        before = b[i - SPIKE_WINDOW:i]
+        lvl = statistics.median(before)
+        jump = b[i] - lvl
+        if jump <= SPIKE_Z * max(nz, 1e-12) or jump <= SPIKE_RATIO * abs(lvl):
+            continue
+        if out and i - out[-1]["i"] <= 2:            # one event: keep its highest point
+            if b[i] > out[-1]["_b"]:
+                out[-1].update(i=i, step=steps[i], value=vals[i], _b=b[i])
+            continue
+        after = b[i + 5:i + 21]
+        recovered = bool(after) and statistics.median(after) <= lvl + 0.5 * jump
+        out.append({"i": i, "step": steps[i], "value": vals[i], "_b": b[i],
+                    "level": sign * lvl, "recovered": recovered})
+    out.sort(key=lambda s: s["_b"], reverse=True)
+    return [{k: v for k, v in s.items() if not k.startswith("_") and k != "i"}
+            for s in out[:20]]
+
+
+def diverged(f):
+    """A loss-like curve that ends far above its first values: finite divergence. Losses
+    are positive, so the test is a ratio; a curve that goes below zero is not judged so."""
+    if f is None or f["direction"] != "min":
+        return False
+    origin = min(f["first_level"], f["start_level"])
+    if origin <= 0:
+        return False
+    return (f["end_level"] > DIVERGE_RATIO * origin
+            and f["end_level"] - origin > 3 * f["noise"])
+
+
+def not_learning(f):
+    """The curve ends where it started: within NOT_LEARNING_SHARE of its start level (and
+    its best logged point is no better than that either, beyond the noise)."""
+    if f is None or f["direction"] is None or f["points"] < MIN_POINTS:
+        return False
+    return f["improvement_share"] < NOT_LEARNING_SHARE and not diverged(f)
