@@ -205,10 +205,12 @@ class ControlOut(Out):
 
 class DiagnosisOut(Out):
     run_id: int
-    verdict: Literal["healthy", "diverging", "plateaued", "overfitting", "stalled", "failed",
-                     "too early to tell"]
+    verdict: Literal["healthy", "diverging", "not learning", "unstable", "overfitting",
+                     "plateaued", "stalled", "failed", "too early to tell"]
     summary: str
     evidence: list[str]
+    confidence: dict[str, Any] = Field(default_factory=dict, description="how sure: level "
+                                       "(high|medium|low), points, noise, why")
     next_actions: list[NextAction]
 
 
@@ -950,8 +952,9 @@ TOOLS = [
          lambda gp, a: gp.set_primary_metric(a.key, a.direction, a.project, a.experiment)),
     # semantic
     Tool("diagnose_run", SEMANTIC,
-         "Judge a run: healthy, diverging, plateaued, overfitting, stalled, failed or too "
-         "early to tell, with the evidence and next_actions (tool calls to make next).",
+         "Judge a run: healthy, diverging, not learning, unstable, overfitting, plateaued, "
+         "stalled, failed or too early to tell, with the evidence, how sure it is and "
+         "next_actions (tool calls to make next).",
          DiagnoseIn, DiagnosisOut,
          lambda gp, a: gp.client.get_run_diagnosis(a.run_id, key=a.key)),
     Tool("compare_runs", SEMANTIC,

@@ -386,6 +386,18 @@ def specs():
         extra = ({"clip": 1.0}, {"wd": 1e-4}, {})[j % 3]
         add("healthy", task, opt, sched, (0.5, 1.0, 1.5)[j % 3], (32, 128, 64)[j % 3],
             seed=100 + j, **extra)
+    # a third set of healthy runs (made after the first pass dropped 10 of its healthy runs)
+    for j, (task, opt, sched, mult, batch) in enumerate((
+            ("mlp", "adam", "cosine", 1.0, 64), ("mlp", "adam", "step", 0.5, 32),
+            ("mlp", "sgd", "onecycle", 1.0, 32), ("cnn", "adam", "step", 1.0, 64),
+            ("cnn", "adam", "sgdr", 0.5, 32), ("cnn", "adam", "onecycle", 1.0, 64),
+            ("transformer", "adam", "constant", 1.0, 32), ("transformer", "adam", "cosine", 1.5, 64),
+            ("transformer", "adam", "sgdr", 1.0, 32), ("lstm", "adam", "cosine", 0.5, 32),
+            ("lstm", "adam", "step", 0.5, 64), ("lstm", "adam", "sgdr", 0.3, 32),
+            ("mlp_wide", "adam", "constant", 0.5, 64), ("mlp_wide", "adam", "sgdr", 1.0, 64),
+            ("mlp", "sgd", "cosine", 0.5, 64), ("cnn", "sgd", "cosine", 0.5, 64),
+            ("mlp", "adam", "onecycle", 2.0, 32), ("transformer", "adam", "onecycle", 1.0, 32))):
+        add("healthy", task, opt, sched, mult, batch, seed=200 + j, extra=1)
     # spikes: a corrupted batch at a step from early to late
     i = 0
     for task in TASKS:
@@ -461,6 +473,7 @@ def main():
                                          "real_runs.json.gz"))
     ap.add_argument("--only", help="run only specs whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the specs and exit")
+    ap.add_argument("--merge", help="add the runs to this corpus file (those not in it yet)")
     args = ap.parse_args()
     todo = [s for s in specs() if not args.only or args.only in s["name"]]
     if args.list:
@@ -471,6 +484,12 @@ def main():
     import torch
     torch.set_num_threads(1)
     runs, dropped = [], []
+    if args.merge:
+        with gzip.open(args.merge, "rt") as f:
+            old = json.load(f)
+        runs, dropped = old["runs"], old["dropped"]
+        seen = {r["name"] for r in runs} | {d["name"] for d in dropped}
+        todo = [s for s in todo if s["name"] not in seen]
     t_all = time.monotonic()
     for i, spec in enumerate(todo):
         rec = train(torch, spec)

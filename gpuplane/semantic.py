@@ -519,8 +519,10 @@ def compare_runs(runs, keys=None, primary=None):
             latest = k.get("latest") or {}
             per_run.append({
                 "run_id": r["run"]["id"],
-                "best": wire(num(best.get("value"))) if best else (f and f["best"]),
-                "best_step": best.get("step") if best else (f and f["best_step"]),
+                "best": wire(num(best.get("value"))) if best else
+                (f["best"]["value"] if f and f["best"] else None),
+                "best_step": best.get("step") if best else
+                (f["best"]["step"] if f and f["best"] else None),
                 "final": wire(num(latest.get("value"))) if latest else None,
                 "final_step": latest.get("step"),
                 "noise": f["noise"] if f else None,

@@ -10,8 +10,9 @@ run_id_type = id_type("run", "gpuplane run list")
 
 def add_parser(subparsers):
     conn, js, _ = parents()
-    p = command(subparsers, "diagnose", "judge a run: healthy, diverging, plateaued, "
-                "overfitting, stalled, failed or too early to tell", parents=(conn, js))
+    p = command(subparsers, "diagnose", "judge a run: healthy, diverging, not learning, "
+                "unstable, overfitting, plateaued, stalled, failed or too early to tell",
+                parents=(conn, js))
     p.add_argument("run_id", type=run_id_type, metavar="RUN")
     p.add_argument("--key", metavar="KEY", help="the metric to judge (default: the primary)")
     p.set_defaults(func=cmd_diagnose)

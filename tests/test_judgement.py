@@ -1,0 +1,220 @@
+"""Trend, verdicts and rules on REAL training curves: runs of bench/data/real_runs.json.gz
+(small torch models trained on CPU by bench/real_corpus.py, labelled by construction and
+checked against their values). No torch here: the curves are read from the data file.
+Only runs of the tuning half are used; the held-out half is for bench/judgement.py."""
+import gzip
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+from gpuplane import curves, rules, semantic
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT / "bench" / "data" / "real_runs.json.gz"
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    with gzip.open(DATA, "rt") as f:
+        data = json.load(f)
+    return [r for r in data["runs"] if r["half"] == "tune"]
+
+
+def value(v):
+    return semantic.num(v)
+
+
+def pick(corpus, label, where=lambda r: True):
+    runs = [r for r in corpus if r["label"] == label and where(r)]
+    assert runs, f"no {label} run in the tuning half"
+    return runs
+
+
+def keys_of(r):
+    """The run's keys as the semantic layer gets them (raw points: the runs are short)."""
+    out = []
+    evs = list(zip(r["eval_steps"], r["eval_loss"], r["eval_acc"]))
+    for name, pts, d in (
+            ("train/loss", [[i + 1, v] for i, v in enumerate(r["train_loss"])], "min"),
+            ("eval/loss", [[s, v] for s, v, _ in evs], "min"),
+            ("eval/acc", [[s, a] for s, _, a in evs], "max")):
+        fin = [p for p in pts if math.isfinite(value(p[1]))]
+        best = (min if d == "min" else max)(fin, key=lambda p: value(p[1])) if fin else None
+        out.append({"key": name, "direction": d, "points": pts, "count": len(pts),
+                    "latest": {"step": pts[-1][0], "value": pts[-1][1], "ts": None},
+                    "best": best and {"step": best[0], "value": best[1]}})
+    return out
+
+
+def buckets(pts):
+    """Points as one-point series buckets [step, min, max, mean, last, count]."""
+    return [[s, value(v), value(v), value(v), value(v), 1] for s, v in pts]
+
+
+def diagnose(r):
+    state = "RUNNING" if r["label"] == "stall" else "SUCCEEDED"
+    return semantic.diagnose_run({"id": 1, "job_id": None, "state": state}, keys_of(r))
+
+
+def test_the_corpus_is_real_balanced_and_split():
+    with gzip.open(DATA, "rt") as f:
+        data = json.load(f)
+    runs = data["runs"]
+    labels = {}
+    for r in runs:
+        labels[r["label"]] = labels.get(r["label"], 0) + 1
+    assert data["torch"].startswith("2.")
+    assert labels["healthy"] >= sum(n for k, n in labels.items() if k != "healthy")
+    assert {"spike", "lr_burst", "nan", "diverged", "overfit", "not_learning", "stall"} <= \
+        set(labels)
+    for lab in labels:
+        halves = {r["half"] for r in runs if r["label"] == lab}
+        assert halves == {"tune", "holdout"} or labels[lab] == 1, lab
+    assert {r["task"] for r in runs} >= {"mlp", "cnn", "lstm", "transformer"}
+    assert {r["sched"] for r in runs} == {"constant", "step", "cosine", "sgdr", "onecycle"}
+    assert {r["opt"] for r in runs} == {"adam", "sgd"}
+
+
+# -- trend --------------------------------------------------------------------------------------
+
+def test_noisy_converged_train_loss_is_flat_or_improving_never_worsening(corpus):
+    """A converged loss under per-step noise is not 'worsening' (main had it so for 3 of
+    5 seeds); whichever it is, it is what its last windows show."""
+    for r in pick(corpus, "healthy"):
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+        t = semantic.trend(buckets(pts), "min")
+        assert t in ("flat", "improving"), (r["name"], t)
+
+
+def test_diverged_loss_is_never_improving(corpus):
+    """A loss that ends far above its first values is worsening, whatever its last windows
+    do (main called a 0.70 -> 112 loss 'improving')."""
+    for r in pick(corpus, "diverged"):
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+        assert semantic.trend(buckets(pts), "min") == "worsening", r["name"]
+
+
+def test_a_falling_curve_is_improving(corpus):
+    # the first half of a healthy run is still falling
+    for r in pick(corpus, "healthy")[:6]:
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])][:len(r["train_loss"]) // 6]
+        assert semantic.trend(buckets(pts), "min") == "improving", r["name"]
+
+
+def test_an_unknown_direction_has_no_trend(corpus):
+    r = pick(corpus, "healthy")[0]
+    pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+    assert semantic.trend(buckets(pts), None) == "unknown"
+
+
+# -- curve facts --------------------------------------------------------------------------------
+
+def test_facts_quote_logged_points(corpus):
+    r = pick(corpus, "healthy")[0]
+    pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+    f = curves.facts(pts, "min")
+    logged = {s: v for s, v in pts}
+    for k in ("first", "best", "last"):
+        assert logged[f[k]["step"]] == f[k]["value"], k
+    assert f["best"]["value"] == min(r["train_loss"])
+
+
+def test_spike_runs_show_their_spike_and_recovery(corpus):
+    for r in pick(corpus, "spike"):
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+        f = curves.facts(pts, "min")
+        s = r["inject"]["step"]
+        assert any(s <= sp["step"] <= s + 6 and sp["recovered"] for sp in f["spikes"]), \
+            (r["name"], f["spikes"][:3])
+
+
+# -- verdicts -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("label,verdict", [
+    ("healthy", "healthy"), ("diverged", "diverging"), ("nan", "diverging"),
+    ("not_learning", "not learning"), ("spike", "unstable"), ("overfit", "overfitting")])
+def test_verdicts_on_real_runs(corpus, label, verdict):
+    for r in pick(corpus, label):
+        d = diagnose(r)
+        assert d["verdict"] == verdict, (r["name"], d["verdict"], d["evidence"][:2])
+        assert d["confidence"]["level"] in ("high", "medium", "low")
+
+
+def test_restarting_runs_are_healthy(corpus):
+    """SGDR's warm restarts bump the loss; that is no spike and no divergence."""
+    runs = pick(corpus, "healthy", lambda r: r["sched"] == "sgdr")
+    for r in runs:
+        assert diagnose(r)["verdict"] == "healthy", r["name"]
+
+
+def test_diverging_advice_lowers_the_learning_rate(corpus):
+    for r in pick(corpus, "diverged"):
+        d = diagnose(r)
+        why = " ".join(a["why"] for a in d["next_actions"])
+        assert "lower the learning rate" in why and "higher" not in why, why
+        assert any("(logged)" in e or "smoothed" in e for e in d["evidence"])
+
+
+def test_not_learning_advice_and_numbers(corpus):
+    r = pick(corpus, "not_learning")[0]
+    d = diagnose(r)
+    assert "learning rate" in d["next_actions"][-1]["why"]
+    assert "smoothed" in d["summary"]
+
+
+def test_too_early_is_told_apart_from_bad(corpus):
+    r = pick(corpus, "diverged")[0]
+    short = dict(r, train_loss=r["train_loss"][:5], eval_steps=[], eval_loss=[], eval_acc=[])
+    keys = [k for k in keys_of(short) if k["points"]]
+    d = semantic.diagnose_run({"id": 1, "job_id": None, "state": "RUNNING"}, keys)
+    assert d["verdict"] == "too early to tell"
+    assert d["confidence"]["level"] == "low"
+
+
+# -- the rules on the same curves ---------------------------------------------------------------
+
+def feed(rule, r):
+    """The train loss to a rule in batches of 50 steps, the learning rate first."""
+    out = []
+    n = len(r["train_loss"])
+    for i in range(0, n, 50):
+        steps = list(range(i + 1, min(n, i + 50) + 1))
+        if hasattr(rule, "lr_points"):
+            rule.lr_points(steps, r["lr"][i:i + 50])
+        out += rule.extend(steps, [value(v) for v in r["train_loss"][i:i + 50]])
+    return out
+
+
+def test_spike_rule_fires_on_corrupted_batches_not_on_healthy_runs(corpus):
+    for r in pick(corpus, "spike"):
+        found = feed(rules.Spike("train/loss"), r)
+        assert found and abs(found[0]["step"] - r["inject"]["step"]) <= 6, r["name"]
+    for r in pick(corpus, "healthy"):
+        assert not feed(rules.Spike("train/loss"), r), r["name"]
+
+
+def test_diverge_rule_fires_without_nan(corpus):
+    for r in pick(corpus, "diverged"):
+        found = feed(rules.Diverge("train/loss"), r)
+        assert found and found[0]["type"] == "LOSS_DIVERGED", r["name"]
+    for r in pick(corpus, "healthy") + pick(corpus, "not_learning"):
+        assert not feed(rules.Diverge("train/loss"), r), r["name"]
+
+
+def test_the_benchmark_scores_the_server_path(corpus):
+    """bench/judgement.py on a few runs: storage, the event engine, key_data and
+    diagnose_run as the server runs them, and the verdicts agree with the events."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import judgement
+    few = [pick(corpus, lab)[0] for lab in ("healthy", "diverged", "nan", "spike")]
+    res = judgement.judge_all(few)
+    by = {x["run"]["label"]: x for x in res}
+    assert not by["healthy"]["found"] and by["healthy"]["diag"]["verdict"] == "healthy"
+    assert "LOSS_DIVERGED" in by["diverged"]["found"]
+    assert by["diverged"]["diag"]["verdict"] == "diverging"
+    assert by["diverged"]["trends"]["train/loss"] == "worsening"
+    assert "LOSS_NAN" in by["nan"]["found"] and by["nan"]["diag"]["verdict"] == "diverging"
+    assert "LOSS_SPIKE" in by["spike"]["found"] and by["spike"]["diag"]["verdict"] == "unstable"
