@@ -208,6 +208,7 @@ class DiagnosisOut(Out):
     verdict: Literal["healthy", "diverging", "not learning", "unstable", "overfitting",
                      "plateaued", "stalled", "failed", "too early to tell"]
     summary: str
+    advice: str = Field("", description="what to do about the verdict, in a sentence")
     evidence: list[str]
     confidence: dict[str, Any] = Field(default_factory=dict, description="how sure: level "
                                        "(high|medium|low), points, noise, why")

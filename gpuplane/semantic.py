@@ -58,6 +58,27 @@ SIGNIFICANT_SIGMAS = 2.0     # compare_runs: a difference beyond 2 combined nois
 
 VERDICTS = ("healthy", "diverging", "not learning", "unstable", "overfitting", "plateaued",
             "stalled", "failed", "too early to tell")
+# What to do, per verdict: in every diagnosis as `advice`, whether or not a job ran the run
+# (next_actions can resubmit only a job's command).
+ADVICE = {
+    "healthy": "nothing to fix; keep the best checkpoint once it ends",
+    "diverging": "lower the learning rate (by 3-10x) or clip gradients, and check the data "
+                 "for NaNs; resume from the last good checkpoint. Do not raise the learning "
+                 "rate",
+    "not learning": "check that the learning rate is not 0 or far too small, that the "
+                    "labels match the inputs and that the optimiser steps; a learning-rate "
+                    "range test finds a working rate",
+    "unstable": "clip gradients (e.g. max norm 1.0), lower the peak learning rate or "
+                "lengthen its warm-up, and look at the batch at the spike's step",
+    "overfitting": "take the checkpoint near the eval metric's best; retrain with more data "
+                   "or regularisation (weight decay, dropout, augmentation) or stop early",
+    "plateaued": "stop it and keep its best checkpoint; if it should go lower, a schedule "
+                 "that decays the learning rate or a larger model",
+    "stalled": "read the job's log; a hung data loader or collective needs a cancel and a "
+               "retry",
+    "failed": "explain_failure finds the cause in the job's log",
+    "too early to tell": "wait for more points, then diagnose again",
+}
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -209,8 +230,8 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
 
     def result(verdict, summary, actions):
         return {"run_id": run_id, "job_id": job_id, "state": state, "verdict": verdict,
-                "summary": summary, "primary_key": main, "evidence": evidence,
-                "confidence": sure,
+                "summary": summary, "advice": ADVICE[verdict], "primary_key": main,
+                "evidence": evidence, "confidence": sure,
                 "curves": {k: _wire_facts(f) for k, f in facts.items() if f},
                 "next_actions": actions}
 

@@ -54,9 +54,13 @@ def buckets(pts):
     return [[s, value(v), value(v), value(v), value(v), 1] for s, v in pts]
 
 
+JOB = {"command": ["python", "train.py", "--lr", "0.1"], "working_dir": "/work/exp"}
+
+
 def diagnose(r):
     state = "RUNNING" if r["label"] == "stall" else "SUCCEEDED"
-    return semantic.diagnose_run({"id": 1, "job_id": None, "state": state}, keys_of(r))
+    return semantic.diagnose_run({"id": 1, "job_id": 3, "state": state, "job": JOB},
+                                 keys_of(r))
 
 
 def test_the_corpus_is_real_balanced_and_split():
@@ -155,13 +159,14 @@ def test_diverging_advice_lowers_the_learning_rate(corpus):
         d = diagnose(r)
         why = " ".join(a["why"] for a in d["next_actions"])
         assert "lower the learning rate" in why and "higher" not in why, why
+        assert "lower the learning rate" in d["advice"] and "raise" in d["advice"]
         assert any("(logged)" in e or "smoothed" in e for e in d["evidence"])
 
 
 def test_not_learning_advice_and_numbers(corpus):
     r = pick(corpus, "not_learning")[0]
     d = diagnose(r)
-    assert "learning rate" in d["next_actions"][-1]["why"]
+    assert "learning rate" in d["next_actions"][-1]["why"] and "learning rate" in d["advice"]
     assert "smoothed" in d["summary"]
 
 
