@@ -432,6 +432,21 @@ def specs():
             ("cnn", "sgd", "onecycle", 600.0, 1.0), ("lstm", "sgd", "onecycle", 30.0, None),
             ("mlp_wide", "sgd", "constant", 200.0, 1.0), ("mlp", "sgd", "sgdr", 400.0, 1.0))):
         add("diverged", task, opt, sched, mult, 32, seed=40 + j, **({"clip": clip} if clip else {}))
+    # a second pass (the first dropped half of its diverged and learning-rate burst runs)
+    for j, (task, opt, sched, mult, clip) in enumerate((
+            ("cnn", "sgd", "step", 400.0, 1.0), ("transformer", "sgd", "cosine", 200.0, 1.0),
+            ("mlp", "sgd", "cosine", 400.0, 1.0), ("mlp_wide", "sgd", "step", 200.0, 1.0),
+            ("lstm", "sgd", "constant", 20.0, None), ("transformer", "sgd", "step", 200.0, 1.0))):
+        add("diverged", task, opt, sched, mult, 32, seed=140 + j,
+            **({"clip": clip} if clip else {}))
+    for j, (task, opt, sched) in enumerate((("mlp", "sgd", "cosine"),
+                                            ("transformer", "adam", "constant"),
+                                            ("mlp", "adam", "constant"), ("lstm", "adam", "cosine"),
+                                            ("transformer", "sgd", "step"))):
+        steps = math.ceil(N_TRAIN[task] / 32) * EPOCHS[task]
+        add("lr_burst", task, opt, sched, 1.0, 32, seed=150 + j,
+            inject={"kind": "lr_burst", "step": int((0.35 + 0.1 * j) * steps), "len": 4,
+                    "factor": 30.0})
     # overfitting: a tiny training set, a wide model, many epochs
     for j, (opt, sched, n_train) in enumerate((("adam", "constant", 64), ("adam", "cosine", 96),
                                                ("sgd", "constant", 64), ("adam", "step", 128),
