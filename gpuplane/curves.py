@@ -16,6 +16,10 @@ half of bench/data/real_runs.json.gz (bench/judgement.py scores both halves).
 import math
 import statistics
 
+from . import vocab
+
+_num = vocab.decode      # a stored or wire value as a float (None, "NaN" -> NaN)
+
 START_SHARE = 0.10        # the start level: the median of the first 10% (at least 3 points)
 END_SHARE = 0.10          # the end level: the median of the last 10% (at least 3 points)
 TREND_SHARE = 0.10        # trend: the last 10% against the 10% before it
@@ -39,17 +43,6 @@ def finite_points(points):
     return out
 
 
-def _num(v):
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        try:
-            return float(v.replace("Infinity", "inf"))
-        except ValueError:
-            return math.nan
-    return float(v)
-
-
 def noise(values):
     """A robust width of the step-to-step jitter of one value: the MAD of the first
     differences, scaled to the standard deviation of one point (1.4826 / sqrt 2)."""
@@ -65,10 +58,12 @@ def _win(n, share):
     return min(n, max(3, round(n * share)))
 
 
-def facts(points, direction):
+def facts(points, direction, head=None):
     """The facts of one curve, or None without a finite point. `direction` 'min' | 'max'
     (None: unknown: no best, no better or worse, trend 'unknown'). Badness is the value
-    turned so that lower is better; the *_level fields are in the metric's own units."""
+    turned so that lower is better; the *_level fields are in the metric's own units.
+    `head` [step, lowest, highest]: the logged extremes of the first bucket of a
+    downsampled curve, so its first values count even when the bucket's mean hides them."""
     all_pts = list(points)
     pts = finite_points(all_pts)
     nonfinite = next(({"step": p[0], "value": p[1]} for p in all_pts
@@ -83,6 +78,10 @@ def facts(points, direction):
     ks, ke = _win(n, START_SHARE), _win(n, END_SHARE)
     start = statistics.median(b[:ks])
     first3 = statistics.median(b[:min(3, n)])
+    if head is not None and direction is not None:
+        h = _num(head[1] if direction == "min" else head[2])
+        if math.isfinite(h):
+            first3 = min(first3, sign * h)
     end = statistics.median(b[-ke:])
     nz = noise(b[-max(3, n // 2):])        # the noise of the later half: warm-up is not noise
     spikes = _spikes(steps, b, vals, sign)

@@ -40,7 +40,7 @@ def trend(series_points, d):
     if d is None or len(pts) < 4 or sum(p[5] for p in series_points
                                         if p[3] is not None and math.isfinite(p[3])) < 4:
         return "unknown"
-    f = curves.facts(pts, d)
+    f = curves.facts(pts, d, head=series_points[0][:3] if series_points else None)
     return f["trend"] if f else "unknown"
 
 
@@ -115,14 +115,14 @@ def noise(values):
     return curves.noise(values)
 
 
-def curve_facts(points, direction):
+def curve_facts(points, direction, head=None):
     """The facts of one curve (curves.facts); a long raw curve is judged as bucket means,
     since the windows below are not linear in its length. None without a finite point."""
     pts = curves.finite_points(points)
     if len(pts) > MAX_CURVE_POINTS:
         bad = next((p for p in points if not math.isfinite(num(p[1]))), None)
         points = _bucket_means(pts, MAX_CURVE_POINTS // 2) + ([bad] if bad else [])
-    f = curves.facts(points, direction)
+    f = curves.facts(points, direction, head=head)
     if f is None:
         return None
     # the best smoothed level (a 5% running median), so one lucky point makes no trough
@@ -225,7 +225,8 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     evidence = []
     facts = {}
     for name in {main, train} - {None}:
-        facts[name] = curve_facts(by_key[name].get("points") or [], by_key[name]["direction"])
+        facts[name] = curve_facts(by_key[name].get("points") or [], by_key[name]["direction"],
+                                  head=by_key[name].get("head"))
     sure = {"level": "high", "points": 0, "noise": None, "why": ""}
 
     def result(verdict, summary, actions):

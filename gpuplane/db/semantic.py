@@ -22,6 +22,10 @@ def key_data(db, run_id, keys=None, max_points=SERIES_POINTS):
         _, pts = series.series(db, key_id, max_points)
         # A bucket holding a NaN has a finite mean; its last value tells the NaN apart.
         s["points"] = [[p[0], p[3]] for p in pts]
+        # the first bucket's lowest and highest logged values: where the curve started,
+        # which its mean hides when the first steps differ (a loss that blows up at once)
+        s["head"] = [pts[0][0], metricwire.encode(pts[0][1]), metricwire.encode(pts[0][2])] \
+            if pts else None
         s["key_id"] = key_id
         out.append(s)
     return out
