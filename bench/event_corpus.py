@@ -1,5 +1,10 @@
 """Precision and recall of the event rules on a labelled corpus of generated training runs.
 
+NOT the measure of the rules: these generated curves were made with the rules in mind and
+their figures did not carry over to real runs (issue 25). The rules are scored on real
+training runs by bench/judgement.py; this stays as a quick check that each rule still fires
+on its textbook case, and for GPU_UNDERUTILIZED, which the real corpus has no data for.
+
 Generates (fixed seed) runs with injected anomalies — NaN/inf losses, loss spikes,
 overfitting, stalls, idle GPUs — and at least as many clean runs that look like real
 training: warm-up, cosine and step schedules, cosine with warm restarts, noisy RL losses,
@@ -261,13 +266,17 @@ def main():
         rc = tp / (tp + fn) if tp + fn else 1.0
         ok &= p >= 0.95 and rc >= 0.95
         print(f"{r:<24}{tp:>5}{fp:>5}{fn:>5}{p:>11.3f}{rc:>8.3f}")
-    print("  (goal: precision and recall >= 0.95 for every rule)")
+    print("  (generated curves, not the measure: the rules are scored on real training runs by "
+          "bench/judgement.py)")
     for r in RULES:
         for what in ("fp", "fn"):
             for run in table[r][what]:
                 print(f"  {'false positive' if what == 'fp' else 'missed'} {r}: {run['id']}"
                       f" ({run['detail']})")
-    return 0 if ok else 1
+    # A report, not a gate: its generated curves were made with the rules in mind, and the
+    # thresholds are set on real runs (bench/judgement.py), where they may differ.
+    del ok
+    return 0
 
 
 if __name__ == "__main__":

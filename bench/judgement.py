@@ -157,8 +157,9 @@ def _mw_z(a, b):
 
 def contradictions(res):
     """Where a key's trend contradicts its raw recorded values: 'improving' while its last
-    10% is far worse than its first 10%, or a direction the raw last 10% against the 10%
-    before does not show (Mann-Whitney z beyond 3 the other way, or under 2 at all)."""
+    10% is far worse than its first 10%, or a direction that the raw last 10% (at least 3
+    points) against the 10% before does not show: their medians differ the other way, a
+    Mann-Whitney z beyond 2 the other way, or under 1 either way (no evidence at all)."""
     r = res["run"]
     out = []
     for key, vals, d in (("train/loss", r["train_loss"], "min"),
@@ -175,14 +176,15 @@ def contradictions(res):
         far_worse = statistics.median(last) > statistics.median(first) + \
             0.5 * abs(statistics.median(first))
         z = _mw_z(prev, last)            # > 0: the last window is worse
+        d_med = statistics.median(last) - statistics.median(prev)
         if t == "improving" and far_worse:
             out.append(f"{key} 'improving' while its last 10% is far above its first 10%")
-        elif t == "improving" and not far_worse and z > -2:
+        elif t == "improving" and (d_med > 0 or z > 2 or abs(z) < 1):
             out.append(f"{key} 'improving' while its last 10% is not lower than the 10% "
-                       f"before (z {z:.1f})")
-        elif t == "worsening" and not far_worse and z < 2:
+                       f"before (Mann-Whitney z {z:.1f}, medians {d_med:+.3g})")
+        elif t == "worsening" and not far_worse and (d_med < 0 or z < -2 or abs(z) < 1):
             out.append(f"{key} 'worsening' while its last 10% is not higher than the 10% "
-                       f"before (z {z:.1f})")
+                       f"before (Mann-Whitney z {z:.1f}, medians {d_med:+.3g})")
     return out
 
 

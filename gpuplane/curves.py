@@ -13,6 +13,7 @@ smoothed (robust medians of windows) and every text that quotes them says "smoot
 Thresholds are module constants, documented in docs/mcp.md; they were set on the tuning
 half of bench/data/real_runs.json.gz (bench/judgement.py scores both halves).
 """
+import bisect
 import math
 import statistics
 
@@ -25,9 +26,13 @@ END_SHARE = 0.10          # the end level: the median of the last 10% (at least 
 TREND_SHARE = 0.10        # trend: the last 10% against the 10% before it
 TREND_Z = 3.0             # ... a change beyond 3 standard errors of the two medians
 TREND_MIN_REL = 0.005     # ... and beyond 0.5% of the level
+TREND_SHARE_APART = 0.7   # ... and 70% of the pairs of points across the windows agree
 SPIKE_Z = 8.0             # a spike: a point 8 noise widths above the running median
 SPIKE_RATIO = 1.0         # ... and at least this much above it (1.0 = twice the level)
 SPIKE_WINDOW = 9          # ... the running median over the 9 points before it
+SPIKE_START_RATIO = 1.1   # or: a point 1.1x above the curve's first level ...
+SPIKE_START_JUMP = 2.5    # ... and 2.5x the running median (rules.py's LOSS_SPIKE alike)
+SPIKE_MIN_STEPS = 128     # no spike in the first 128 steps: early training is volatile
 DIVERGE_RATIO = 1.5       # diverged: a loss whose end level is 1.5x its first values
 NOT_LEARNING_SHARE = 0.10  # not learning: the end within 10% of the start level
 MIN_POINTS = 10           # fewer points: too early to judge
@@ -77,14 +82,16 @@ def facts(points, direction, head=None):
     n = len(b)
     ks, ke = _win(n, START_SHARE), _win(n, END_SHARE)
     start = statistics.median(b[:ks])
-    first3 = statistics.median(b[:min(3, n)])
+    # the first values: the best of the first 3 points (of the first one on a short curve,
+    # where 3 points are a third of the run)
+    first3 = min(b[:max(1, min(3, n // 20))])
     if head is not None and direction is not None:
         h = _num(head[1] if direction == "min" else head[2])
         if math.isfinite(h):
             first3 = min(first3, sign * h)
     end = statistics.median(b[-ke:])
     nz = noise(b[-max(3, n // 2):])        # the noise of the later half: warm-up is not noise
-    spikes = _spikes(steps, b, vals, sign)
+    spikes = _spikes(steps, b, vals, sign, first3 if direction == "min" else None)
     i_best = min(range(n), key=b.__getitem__)
     scale = max(abs(start), abs(first3), nz, 1e-12)
     out = {
@@ -95,7 +102,7 @@ def facts(points, direction, head=None):
         "last": {"step": steps[-1], "value": vals[-1]},
         "best": ({"step": steps[i_best], "value": vals[i_best]} if direction else None),
         "start_level": sign * start,           # smoothed
-        "first_level": sign * first3,          # smoothed over the first 3 points
+        "first_level": sign * first3,          # the best of the first (up to) 3 points
         "end_level": sign * end,               # smoothed
         "noise": nz,                           # smoothed
         "improvement": start - end,            # > 0: better at the end than at the start
@@ -128,10 +135,28 @@ def _trend(b, nz, start, first3, direction):
     d = a - p
     if abs(d) <= max(TREND_Z * se, TREND_MIN_REL * level):
         return "flat"
-    return "improving" if d < 0 else "worsening"
+    # and the windows are apart, not only their medians: most of the last window's points
+    # lie on the new side of most of the window before's (what a short eval curve needs)
+    share = _share_below(last, prev)
+    if d < 0 and share >= TREND_SHARE_APART:
+        return "improving"
+    if d > 0 and share <= 1 - TREND_SHARE_APART:
+        return "worsening"
+    return "flat"
 
 
-def _spikes(steps, b, vals, sign):
+def _share_below(xs, ys):
+    """The share of pairs (x, y) with x < y (ties count half): Mann-Whitney's U / (nx ny)."""
+    ys = sorted(ys)
+    below = 0.0
+    for x in xs:
+        lo = bisect.bisect_left(ys, x)
+        hi = bisect.bisect_right(ys, x)
+        below += (len(ys) - hi) + 0.5 * (hi - lo)
+    return below / (len(xs) * len(ys))
+
+
+def _spikes(steps, b, vals, sign, f0=None):
     """Points far above the running median of the points before them (in badness), with
     whether the curve came back: its level 5-20 points later within reach of the level
     before. At most 20, the largest first."""
@@ -141,10 +166,14 @@ def _spikes(steps, b, vals, sign):
     nz = noise(b)
     out = []
     for i in range(SPIKE_WINDOW, n):
+        if steps[i] - steps[0] < SPIKE_MIN_STEPS:
+            continue
         before = b[i - SPIKE_WINDOW:i]
         lvl = statistics.median(before)
         jump = b[i] - lvl
-        if jump <= SPIKE_Z * max(nz, 1e-12) or jump <= SPIKE_RATIO * abs(lvl):
+        above_start = (f0 is not None and f0 > 0 and lvl > 0 and b[i] > SPIKE_START_RATIO * f0
+                       and b[i] > SPIKE_START_JUMP * lvl)
+        if not above_start and (jump <= SPIKE_Z * max(nz, 1e-12) or jump <= SPIKE_RATIO * abs(lvl)):
             continue
         if out and i - out[-1]["i"] <= 2:            # one event: keep its highest point
             if b[i] > out[-1]["_b"]:
@@ -167,8 +196,9 @@ def diverged(f):
     origin = min(f["first_level"], f["start_level"])
     if origin <= 0:
         return False
+    # beyond the noise too, unless it ended far above (a curve in the thousands is noisy)
     return (f["end_level"] > DIVERGE_RATIO * origin
-            and f["end_level"] - origin > 3 * f["noise"])
+            and (f["end_level"] - origin > 3 * f["noise"] or f["end_level"] > 3 * origin))
 
 
 def not_learning(f):

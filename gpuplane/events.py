@@ -277,6 +277,13 @@ class Engine(Worker):
             return []
         new = []
         progress = False
+        n = len(keys)
+        # The usual layout: every key at every step, in key order (0, 1, .., n-1, 0, 1, ..).
+        # Checked at every position: a batch where some keys come at some steps only (a
+        # train loss every step, an eval loss once an epoch) can match it at one key's
+        # positions by chance, and slicing it would hand that key every other point.
+        regular = n > 1 and len(kidx) % n == 0 and \
+            all(kidx[j::n].count(j) == len(kidx) // n for j in range(n))
         for i, key in enumerate(keys):
             kind, base = _classify(key)
             progress = progress or not vocab.is_system(key)   # sys/* comes while hung too
@@ -286,11 +293,9 @@ class Engine(Worker):
                 run.train_keys.setdefault(base, key)
                 if not any(o.train_key == key for o in run.overfit.values()):
                     continue
-            n = len(keys)
             if n == 1:
                 ks, kv, kt = steps, values, ts
-            elif len(kidx) % n == 0 and kidx[i::n].count(i) == len(kidx) // n:
-                # the usual layout (every key at every step, in key order): slices, no loop
+            elif regular:
                 ks, kv, kt = steps[i::n], values[i::n], ts[i::n]
             else:
                 sel = list(map(i.__eq__, kidx))

@@ -21,7 +21,7 @@ SEVERITIES = (INFO, WARNING, CRITICAL)
 DEFAULTS = {
     "debounce_s": 600,            # one event per run and type per this many seconds
     "spike_window": 64,           # LOSS_SPIKE: finite points the median/MAD look back on
-    "spike_min_points": 24,       # ... and how many it needs first (warm-up is skipped)
+    "spike_min_points": 128,      # ... and how many it needs first (warm-up is skipped)
     "spike_z": 8.0,               # ... robust z: (x - median) / (1.4826 * MAD)
     "spike_min_ratio": 0.6,       # ... and x at least this much above the median (0.6 = +60%)
     "spike_lr_grace": 50,         # ... no spike this many steps after the logged LR rose
@@ -29,9 +29,11 @@ DEFAULTS = {
     "diverge_ratio": 1.5,         # ... and it is this many times the first level (3 points)
     "diverge_min_points": 32,     # ... once this many finite points are in
     "spike_burst": 3.0,           # ... an LR rise beyond this x its earlier max is a burst, no grace
+    "spike_start_ratio": 1.1,     # ... or: x above this x the key's first level (its first 3) ...
+    "spike_start_jump": 2.5,      # ... and this x its recent median
     "overfit_min_evals": 6,       # OVERFITTING_SUSPECTED: eval points needed first
     "overfit_patience": 3,        # ... evals in a row worse than the best (smoothed)
-    "overfit_worse": 0.04,        # ... by at least this fraction of the best
+    "overfit_worse": 0.2,         # ... by at least this fraction of the best
     "overfit_train_better": 0.02, # ... while train improved by at least this fraction
     "gpu_util_below": 15.0,       # GPU_UNDERUTILIZED: mean utilisation under this (%)
     "gpu_window_s": 600,          # ... over this long a window
@@ -118,6 +120,10 @@ class Spike:
         self.last_lr = None
         self.max_lr = 0.0
         self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
+        self.start_ratio = float(cfg.get("spike_start_ratio", DEFAULTS["spike_start_ratio"]))
+        self.start_jump = float(cfg.get("spike_start_jump", DEFAULTS["spike_start_jump"]))
+        self.first = []                     # the key's first 3 finite values
+        self.f0 = None
         self.lr_rises = deque(maxlen=64)    # steps at which the learning rate went up
 
     def lr_points(self, steps, values):
@@ -148,7 +154,7 @@ class Spike:
         return any(0 <= s - r <= self.lr_grace for r in self.lr_rises)
 
     def _refresh(self):
-        if len(self.window) < self.min_points:
+        if self.n < self.min_points or len(self.window) < min(self.min_points, 24):
             self.limit = math.inf
             return
         self.log = min(self.window) > 0
@@ -167,6 +173,14 @@ class Spike:
             scale = max(noise, 1e-3 * abs(m), 1e-12)
             self.limit = m + max(self.z * scale, self.ratio * abs(m))
         self.med, self.scale = m, scale
+        # A jump above where the curve started (and well above its recent level) is a spike
+        # whatever the curve's noise: near-zero losses are noisy in log space, and a loss
+        # back above its untrained value is not noise.
+        f0 = min(self.first) if len(self.first) == 3 else None
+        lvl = math.exp(m) if self.log else m
+        self.f0 = f0
+        if f0 is not None and f0 > 0 and lvl > 0:
+            self.limit = min(self.limit, max(self.start_ratio * f0, self.start_jump * lvl))
 
     def _z(self, v):
         return ((math.log(v) if self.log else v) - self.med) / self.scale
@@ -193,11 +207,16 @@ class Spike:
                         "LOSS_SPIKE", WARNING, s,
                         f"{self.key} jumped to {_fmt(v)} at step {s}, "
                         + (f"{v / med:.1f}x " if med > 0 else "far above ")
-                        + f"its recent median {_fmt(med)} ({z:.0f} robust deviations); look "
-                        f"for a bad batch or a too-high learning rate",
+                        + f"its recent median {_fmt(med)} ({z:.0f} robust deviations"
+                        + (f"; above its first values, {_fmt(self.f0)}" if self.f0 is not None
+                           and v > self.start_ratio * self.f0 else "")
+                        + "); look for a bad batch or a too-high learning rate",
                         key=self.key, value=v, median=med, z=round(z, 2),
+                        first_level=self.f0,
                         log_scale=self.log, window=len(self.window))
                     break
+            if len(self.first) < 3:
+                self.first.extend(list(filter(math.isfinite, chunk))[:3 - len(self.first)])
             self.window.extend(filter(math.isfinite, chunk))
             self.n += take
             i += take
@@ -218,7 +237,7 @@ def _chunk_needs_look(chunk, limit):
 class Diverge:
     """A loss that rises far above where it started and stays there, with no NaN: the
     median of the latest `diverge_window` finite points is `diverge_ratio` x the first
-    level (the median of the key's first 3 points), once `diverge_min_points` are in.
+    level (the lowest of the key's first 3 points), once `diverge_min_points` are in.
     Losses only (positive: a key whose first level is <= 0 is not judged so). One finding
     per key. After a server restart the first level is that of the points it is rebuilt
     from (the latest ones), so a run that had diverged before is caught only if it goes on
@@ -245,7 +264,7 @@ class Diverge:
             self.recent.append(v)
             if self.n < self.min_points or self.n % 4:
                 continue
-            f0 = median(self.first)
+            f0 = min(self.first)
             if f0 <= 0:
                 continue
             now = median(self.recent)
@@ -266,7 +285,8 @@ class Diverge:
 
 class Overfit:
     """Eval worsens for `patience` evals in a row (3-point running median, against its best)
-    while the train metric of the same name kept improving over the same steps."""
+    while the train metric of the same name kept improving over the same steps, and is
+    better than where it started."""
 
     def __init__(self, eval_key, train_key, cfg=DEFAULTS, direction=None):
         self.eval_key, self.train_key = eval_key, train_key
@@ -279,12 +299,15 @@ class Overfit:
         self.train_better = float(cfg["overfit_train_better"])
         self.evals = deque(maxlen=512)        # (step, signed value)
         self.train = deque(maxlen=4096)       # (step, signed value)
+        self.train_first = []                 # its first 3 signed values
         self.fired = False
 
     def train_points(self, steps, values):
         for s, v in zip(steps, values):
             if math.isfinite(v):
                 self.train.append((s, self.sign * v))
+                if len(self.train_first) < 3:
+                    self.train_first.append(self.sign * v)
 
     def eval_points(self, steps, values):
         out = []
@@ -323,6 +346,9 @@ class Overfit:
             return None
         t0, t1 = median(before), median(after)
         if not t1 < t0 - self.train_better * max(abs(t0), 1e-9):
+            return None
+        # a train metric worse than where it started is diverging, not overfitting
+        if self.train_first and not t1 < min(self.train_first):
             return None
         s = self.sign
         return finding(

@@ -321,9 +321,13 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
 
     # Diverging without a NaN: the loss ends far above its first values, or learnt and
     # then gave most of it back and stayed there.
-    for name, cf in ((lname, lf), (main, f)):
+    # The eval curve is judged so only without a train curve: an eval loss that rises while
+    # the train loss falls is overfitting, below. A curve that gave back its gain after a
+    # spike is unstable, below, unless it ended far above where it started.
+    spiked = "LOSS_SPIKE" in kinds or any(s["recovered"] for s in lf["spikes"])
+    for name, cf in ((lname, lf),) if lf is not f else ((main, f),):
         if cf and ((cf["direction"] == "min" and curves.diverged(cf)) or
-                   (name == lname and cf["direction"] and _gave_back(cf))):
+                   (cf["direction"] and _gave_back(cf) and not spiked)):
             evidence.insert(0, _levels_text(name, cf, by_key.get(name)))
             far = curves.diverged(cf)
             ratio = cf["end_level"] / max(min(cf["first_level"], cf["start_level"]), 1e-12)

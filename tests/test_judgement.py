@@ -41,6 +41,8 @@ def keys_of(r):
             ("train/loss", [[i + 1, v] for i, v in enumerate(r["train_loss"])], "min"),
             ("eval/loss", [[s, v] for s, v, _ in evs], "min"),
             ("eval/acc", [[s, a] for s, _, a in evs], "max")):
+        if not pts:
+            continue
         fin = [p for p in pts if math.isfinite(value(p[1]))]
         best = (min if d == "min" else max)(fin, key=lambda p: value(p[1])) if fin else None
         out.append({"key": name, "direction": d, "points": pts, "count": len(pts),
@@ -101,11 +103,21 @@ def test_diverged_loss_is_never_improving(corpus):
         assert semantic.trend(buckets(pts), "min") == "worsening", r["name"]
 
 
-def test_a_falling_curve_is_improving(corpus):
-    # the first half of a healthy run is still falling
-    for r in pick(corpus, "healthy")[:6]:
-        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])][:len(r["train_loss"]) // 6]
-        assert semantic.trend(buckets(pts), "min") == "improving", r["name"]
+def test_a_falling_curve_is_improving_or_within_its_noise(corpus):
+    """The first quarter of a healthy run is still falling: 'improving' where the fall over
+    its last 10% beats the per-batch noise, else 'flat'; never 'worsening'."""
+    got = []
+    for r in pick(corpus, "healthy"):
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])][:len(r["train_loss"]) // 4]
+        got.append(semantic.trend(buckets(pts), "min"))
+    assert "worsening" not in got
+    assert got.count("improving") >= len(got) // 3, got
+    # the eval loss, once an epoch, of a run still learning at its end
+    r = next(r for r in pick(corpus, "healthy") if r["eval_loss"][-1] < 0.8 * r["eval_loss"][0]
+             and r["sched"] == "constant")
+    assert semantic.trend(buckets([[s, v] for s, v in zip(r["eval_steps"][:6],
+                                                          r["eval_loss"][:6])]), "min") \
+        in ("improving", "flat")
 
 
 def test_an_unknown_direction_has_no_trend(corpus):

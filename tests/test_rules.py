@@ -86,9 +86,12 @@ def overfit_run(rise, eval_key="eval/loss", train_key="train/loss", direction=No
 
 
 def test_overfitting_when_eval_worsens_while_train_improves():
-    found = overfit_run(0.3)
+    # eval 60% worse by the end (overfit_worse is 20%: real runs' eval curves under cosine
+    # and SGDR wander by 10-15% without overfitting; bench/judgement.py)
+    found = overfit_run(0.6)
     assert found and found[0]["type"] == "OVERFITTING_SUSPECTED"
-    assert found[0]["evidence"]["best_step"] == 1000
+    assert found[0]["evidence"]["best_step"] in (900, 1000)
+    assert overfit_run(0.15) == []          # under the threshold
     assert overfit_run(0.0) == []           # eval on a plateau: not overfitting
 
 
