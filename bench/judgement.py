@@ -191,7 +191,6 @@ def contradictions(res):
 # -- the table ----------------------------------------------------------------------------------
 
 def score(results):
-    lines = []
     rows = []
     for rule in RULES:
         tp = fp = fn = 0

@@ -63,8 +63,8 @@ VERDICTS = ("healthy", "diverging", "not learning", "unstable", "overfitting", "
 ADVICE = {
     "healthy": "nothing to fix; keep the best checkpoint once it ends",
     "diverging": "lower the learning rate (by 3-10x) or clip gradients, and check the data "
-                 "for NaNs; resume from the last good checkpoint. Do not raise the learning "
-                 "rate",
+                 "for NaNs; resume from the last good checkpoint (a higher rate only makes it "
+                 "worse)",
     "not learning": "check that the learning rate is not 0 or far too small, that the "
                     "labels match the inputs and that the optimiser steps; a learning-rate "
                     "range test finds a working rate",

@@ -98,11 +98,11 @@ def test_overfitting_when_eval_worsens_while_train_improves():
 def test_overfitting_reads_the_direction_of_the_vocabulary():
     """A name that says nothing of its direction is never judged worse; a metric
     definition's direction wins over the name's (gpuplane/vocab.py)."""
-    assert overfit_run(0.3, "eval/compare", "train/compare") == []
-    found = overfit_run(0.3, "eval/compare", "train/compare", direction="min")
-    assert found and found[0]["evidence"]["best_step"] == 1000
+    assert overfit_run(0.6, "eval/compare", "train/compare") == []
+    found = overfit_run(0.6, "eval/compare", "train/compare", direction="min")
+    assert found and found[0]["evidence"]["best_step"] in (900, 1000)
     # defined as higher-is-better, a rising eval/loss is getting better, not overfitting
-    assert overfit_run(0.3, direction="max") == []
+    assert overfit_run(0.6, direction="max") == []
 
 
 def test_overfitting_not_when_train_gets_worse_too():
