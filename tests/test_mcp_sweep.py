@@ -76,8 +76,10 @@ def test_a_sweep_to_a_recommendation_in_few_calls(live_server, agent, tmp_path):
         assert all("logdir" not in p and "checkpoint_dir" not in p for p in params.values())
 
         # The sweep epoch by epoch, in one table: a row per eval step, a column per run.
-        t = await call("get_metric_table", run_ids=run_ids, keys=["val/acc", "val/loss"])
-        assert len(t["rows"]) == 4 and len(t["columns"]) == 1 + 2 * len(run_ids), t
+        t = await call("get_metric_table", run_ids=run_ids)       # the eval metrics
+        assert t["columns"] == ["step"] + [f"{r}:{k}" for r in run_ids
+                                           for k in ("val/acc", "val/loss")], t
+        assert [row[0] for row in t["rows"]] == [20, 40, 60, 80], t
         assert all(v is not None for row in t["rows"] for v in row), t
 
         s = await call("get_metric_summary", run_id=c["winner"])
