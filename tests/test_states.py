@@ -6,6 +6,7 @@ import re
 
 from gpuplane import states
 from gpuplane.api import jobs as api_jobs
+from gpuplane.cli import common as cli_common
 from gpuplane.db import jobs, runs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,6 +26,8 @@ def test_the_groups_come_from_the_one_definition():
     assert jobs.ACTIVE == states.JOB_ACTIVE and jobs.FINAL == states.JOB_FINAL
     assert runs.FINAL_STATES == states.RUN_FINAL
     assert api_jobs.STATES == states.JOB_STATES
+    assert tuple(cli_common.JOB_STATES) == states.JOB_STATES
+    assert cli_common.FINAL_STATES == set(states.JOB_FINAL)
     assert set(states.JOB_ACTIVE + states.JOB_FINAL) < set(states.JOB_STATES)
     assert set(states.RUN_ACTIVE + states.RUN_FINAL) == set(states.RUN_STATES)
 

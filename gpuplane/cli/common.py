@@ -1,7 +1,8 @@
 """What every command module of the CLI shares: exit codes, argument types, the
 connection flags, output helpers, the client, and following a job's logs.
 
-Top-level imports are the standard library only (see gpuplane/cli/__init__.py).
+Top-level imports are the standard library only (see gpuplane/cli/__init__.py), and
+gpuplane/states.py, which is constants.
 """
 
 import argparse
@@ -13,6 +14,8 @@ import sys
 import threading
 import time
 
+from .. import states
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -22,8 +25,8 @@ EXIT_FAILED = 5
 EXIT_TIMEOUT = 124          # as timeout(1): `job wait --timeout` passed first
 EXIT_INTERRUPTED = 130
 
-JOB_STATES = ["QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"]
-FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELLED"}
+JOB_STATES = list(states.JOB_STATES)
+FINAL_STATES = set(states.JOB_FINAL)
 TOKEN_SCOPES = ["read", "write", "admin", "agent"]
 
 
