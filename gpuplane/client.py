@@ -504,7 +504,7 @@ class Client:
 
     @route("PATCH", "projects/{name}")
     def update_project(self, project, fields):
-        """fields: name (a new name), description, archived."""
+        """fields: name (a new name), description, archived, retention (false: none)."""
         return self._send("PATCH", f"projects/{quote(project)}", fields)
 
     @route("DELETE", "projects/{name}")
@@ -522,7 +522,7 @@ class Client:
 
     @route("PATCH", "projects/{project}/experiments/{name}")
     def update_experiment(self, project, experiment, fields):
-        """fields: name (a new name), description, archived."""
+        """fields: name (a new name), description, archived, retention (false: none)."""
         return self._send("PATCH", f"projects/{quote(project)}/experiments/{quote(experiment)}",
                           fields)
 

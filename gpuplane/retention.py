@@ -10,7 +10,7 @@ import posixpath
 import queue
 
 from . import recommend, states, sweeps
-from .db import checkpoints, jobs, sweeps as sweeps_db
+from .db import checkpoints, jobs, projects, sweeps as sweeps_db
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,15 @@ def plan(ckpts, values, d, policy, working_dir, key=None):
     return out
 
 
+def policy_of(db, job):
+    """The job's own policy, else its experiment's, else None."""
+    if job.get("retention"):
+        return job["retention"]
+    if job.get("experiment"):
+        return projects.experiment_retention(db, job["project"], job["experiment"])
+    return None
+
+
 def metric_of(db, job):
     """(key, direction) that decides for a job: its sweep's, else the experiment's primary."""
     if job.get("sweep_id"):
@@ -103,10 +112,10 @@ def metric_of(db, job):
 def prune(db, lifecycle, gateway, job, policy=None, dry_run=False):
     """Apply a policy (the job's own when None) to the job's checkpoints. Returns what is
     kept and why, what goes (and, unless dry_run, was sent to its agent)."""
-    policy = policy or job.get("retention")
+    policy = policy or policy_of(db, job)
     if not policy:
-        raise PolicyError(f"job {job['id']} has no retention policy; give keep_best / "
-                          "keep_last")
+        raise PolicyError(f"job {job['id']} has no retention policy (nor has its "
+                          "experiment); give keep_best / keep_last")
     ckpts = checkpoints.of_job_runs(db, job["id"])
     key, d = metric_of(db, job)
     values = {}
@@ -160,7 +169,7 @@ class Retention(Worker):
             except queue.Empty:
                 return
             job = jobs.get(self.db, job_id)
-            if job and job.get("retention"):
+            if job and job.get("kind") != "EVALUATE" and policy_of(self.db, job):
                 try:
                     r = prune(self.db, self.lifecycle, self.gateway, job)
                     log.info("job %d retention: %d kept, %d to delete", job_id,

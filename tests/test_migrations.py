@@ -176,10 +176,13 @@ def test_a_v11_database_opens_with_resume_and_retention_columns(tmp_path):
         conn.execute(ROWS[t])
     conn.execute("INSERT INTO checkpoints (run_id, path, step, created_at, updated_at)"
                  " VALUES (1, '/w/c.pt', 2, 1, 1)")
+    conn.execute("INSERT INTO experiments (project, name, created_at) VALUES ('default', 'e', 1)")
     conn.close()
     db = Database(path)
     assert jobs.get(db, 1)["resume"] is False and runs.get(db, 1)["resumed_from"] is None
     assert jobs.get(db, 1)["retention"] is None          # v14: no retention policy
+    from gpuplane.db import projects
+    assert projects.get_experiment(db, "default", "e")["retention"] is None     # v15
     c = checkpoints.get(db, 1)
     assert c["pinned"] is False and c["deleted_at"] is None and c["keep_reason"] is None
     with db.read() as conn:

@@ -98,3 +98,28 @@ def test_twenty_checkpoints_under_keep_best_2_keep_last_1(live_server, agent, tm
     out = capsys.readouterr().out
     assert "pinned" in out and "would delete 0 checkpoints" in out, out
     assert sorted(p.name for p in (work / "ckpt").iterdir()) == on_disk
+
+
+def test_an_experiments_policy_applies_to_its_jobs_without_one(live_server, agent, tmp_path,
+                                                              monkeypatch, capsys):
+    from gpuplane import cli
+    api = live_server.api
+    api.post("/api/v1/projects/default/experiments", {"name": "kept"}, expect=201)
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    url = ["--server", live_server.url]
+    assert cli.main([*url, "exp", "retention", "kept", "--keep-best", "0", "--keep-last",
+                     "0"]) == 1
+    assert "keeps nothing" in capsys.readouterr().err
+    assert cli.main([*url, "exp", "retention", "kept", "--keep-best", "0",
+                     "--keep-last", "2"]) == 0
+    assert "keep the best 0 and the last 2" in capsys.readouterr().out
+    (tmp_path / "t.py").write_text(
+        "from gpuctl import run\nimport os\nos.makedirs('c', exist_ok=True)\n"
+        "for s in range(5):\n    open(f'c/{s}.pt', 'w').write('x')\n"
+        "    run.log_checkpoint(f'c/{s}.pt', step=s)\n")
+    job = api.submit([sys.executable, "t.py"], tmp_path, cpu_only=True, experiment="kept")
+    assert api.wait_job(job["id"])["state"] == "SUCCEEDED"
+    wait_for(lambda: sorted(os.listdir(tmp_path / "c")) == ["3.pt", "4.pt"], timeout=60,
+             what="the experiment's policy to keep the last 2")
+    assert cli.main([*url, "exp", "retention", "kept", "--off"]) == 0
+    assert api.get("/api/v1/projects/default/experiments/kept")["retention"] is None

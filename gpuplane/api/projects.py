@@ -20,7 +20,7 @@ from flask import Blueprint, request
 from ..auth import requires
 from ..db import dumps, metric_defs, projects, runs
 from ..errors import BadRequest, Conflict, NotFound
-from .. import recommend as rec
+from .. import recommend as rec, retention
 from .validate import body, field, query_int
 from . import current_db
 
@@ -171,6 +171,12 @@ def update_experiment(project, name):
     _experiment_or_404(project, name)
     data = body()
     new = check_name(data["name"], "experiment") if data.get("name") is not None else None
+    if "retention" in data:         # checkpoint retention for its jobs without their own
+        try:
+            policy = retention.parse_policy(data["retention"] or None)   # false: none
+        except retention.PolicyError as e:
+            raise BadRequest(str(e)) from None
+        projects.set_experiment_retention(current_db(), project, name, policy)
     try:
         return projects.update_experiment(
             current_db(), project, name, new_name=new,

@@ -85,6 +85,15 @@ def add_parser(subparsers):
         p.add_argument("name")
         p.add_argument("new_name")
         p.set_defaults(func=cmd_update, noun=noun)
+        if noun == "exp":
+            p = command(sub, "retention", "the checkpoint retention policy of an experiment's "
+                        "jobs that have none of their own (docs/checkpoints.md)",
+                        parents=(conn, js, scope))
+            p.add_argument("name")
+            p.add_argument("--keep-best", type=int, metavar="K")
+            p.add_argument("--keep-last", type=int, metavar="L")
+            p.add_argument("--off", action="store_true", help="no policy")
+            p.set_defaults(func=cmd_exp_retention, noun=noun)
         p = command(sub, "describe", f"set a {noun}'s description", parents=(conn, js, scope))
         p.add_argument("name")
         p.add_argument("description")
@@ -295,6 +304,17 @@ def cmd_update(args):
     else:
         obj = client.update_experiment(args.project, args.name, fields)
     return _done(args, obj, f"{args.noun} {obj['name']}")
+
+
+def cmd_exp_retention(args):
+    policy = False if args.off else {k: v for k, v in (("keep_best", args.keep_best),
+                                                      ("keep_last", args.keep_last))
+                                    if v is not None}
+    obj = make_client(args).update_experiment(args.project, args.name, {"retention": policy})
+    r = obj.get("retention")
+    return _done(args, obj, f"experiment {obj['name']}: " + (
+        f"keep the best {r['keep_best']} and the last {r['keep_last']} of each run" if r
+        else "no retention policy"))
 
 
 def cmd_delete(args):

@@ -448,10 +448,17 @@ SCHEMA_V14_RETENTION = """
 ALTER TABLE jobs ADD COLUMN retention TEXT;
 """
 
+# An experiment's checkpoint retention policy: its jobs without one of their own use it
+# (json {"keep_best", "keep_last"}; docs/checkpoints.md).
+SCHEMA_V15_EXPERIMENT_RETENTION = """
+ALTER TABLE experiments ADD COLUMN retention TEXT;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
-              SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION]
+              SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION,
+              SCHEMA_V15_EXPERIMENT_RETENTION]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

@@ -5,7 +5,7 @@ name in use (`ensure` is called where runs and jobs are made) and holds what the
 carries: a description and the archived flag. Renaming rewrites the name everywhere in one
 transaction.
 """
-from . import now_ms
+from . import dumps, loads, now_ms
 
 
 class Exists(Exception):
@@ -99,7 +99,21 @@ _EXPERIMENT_SQL = (
 def _experiment(row):
     d = dict(row)
     d["archived"] = bool(d["archived"])
+    d["retention"] = loads(d.get("retention"))
     return d
+
+
+def set_experiment_retention(db, project, name, policy):
+    """The experiment's checkpoint retention policy (None: none)."""
+    with db.tx() as c:
+        c.execute("UPDATE experiments SET retention = ? WHERE project = ? AND name = ?",
+                  (dumps(policy) if policy else None, project, name))
+
+
+def experiment_retention(db, project, name):
+    row = db.query_one("SELECT retention FROM experiments WHERE project = ? AND name = ?",
+                       (project, name))
+    return loads(row[0]) if row else None
 
 
 def list_experiments(db, project=None, archived=False):
