@@ -3117,8 +3117,12 @@ import json, marshal, os, signal, sys, time
 
 _btime = []
 """
-SHIM_SOURCE = SHIM_PRELUDE + "".join(
-    "\n\n" + inspect.getsource(f) for f in SHIM_FUNCTIONS)
+try:
+    SHIM_SOURCE = SHIM_PRELUDE + "".join(
+        "\n\n" + inspect.getsource(f) for f in SHIM_FUNCTIONS)
+except OSError as e:        # no file to read the functions from: `python - < agent.py`
+    raise ImportError(f"the agent needs its own source file to start its shim ({e}); "
+                      "run it as `python agent.py` (copy the file, not its text)") from None
 
 
 def shim_command():

@@ -175,3 +175,9 @@ def test_the_architecture_doc_names_every_thread_of_the_agent_and_the_shim():
     names += [agent.Connection.name + "-reader", agent.Connection.name + "-heartbeat",
               "gpuplane-agent-wait-", "shim_server", "agent.py _shim DIR"]
     assert [n for n in names if f"`{n}" not in doc] == []
+
+
+def test_without_its_file_the_agent_says_so():
+    r = subprocess.run([sys.executable, "-", "--help"], input=SOURCE, capture_output=True,
+                       text=True, timeout=60, cwd="/")
+    assert r.returncode != 0 and "run it as `python agent.py`" in r.stderr, r.stderr[-2000:]
