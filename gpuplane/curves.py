@@ -106,7 +106,9 @@ def facts(points, direction, head=None):
         "end_level": sign * end,               # smoothed
         "noise": nz,                           # smoothed
         "improvement": start - end,            # > 0: better at the end than at the start
-        "improvement_share": (start - end) / scale,
+        # from the higher of the start level and the first values: a run that learns within
+        # its first 10% has a start level near its end, but not its first values
+        "improvement_share": (max(start, first3) - end) / scale,
         "spikes": spikes,
         "nonfinite": nonfinite,
         "direction": direction,
