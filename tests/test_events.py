@@ -284,3 +284,30 @@ def test_webhook_from_a_real_server(server):
         assert len(rec.got) == 1          # STARTED (info) is below min_severity
     finally:
         rec.close()
+
+
+def test_a_batch_whose_keys_come_at_different_rates_gives_each_key_all_its_points(tmp_path):
+    """A train loss and its learning rate every step, an eval loss and accuracy once an
+    epoch (100 steps): a batch of 50 steps without the eval, keys (0, 1, 0, 1, ...) of four
+    names, once matched the "every key at every step" layout at key 0's positions, and the
+    spike rule got every other train-loss point (a corrupted batch at an odd step went
+    unseen). Found on bench/data/real_runs.json.gz."""
+    db, engine = engine_with_run(tmp_path)
+    keys = ["train/loss", "lr", "eval/loss", "eval/acc"]
+    loss = [1.0 / (1 + s / 100) for s in range(1, 401)]
+    loss[300] = 40.0                               # step 301: odd, a corrupted batch
+    for start in range(1, 401, 50):
+        kidx, steps, values, ts = [], [], [], []
+        for s in range(start, start + 50):
+            for k, v in ((0, loss[s - 1]), (1, 0.01)):
+                kidx.append(k), steps.append(s), values.append(v), ts.append(s * 100)
+        if (start + 49) % 100 == 0:
+            for k, v in ((2, 0.5), (3, 0.8)):                   # the epoch's eval
+                kidx.append(k), steps.append(start + 49), values.append(v), ts.append(s * 100)
+        engine.offer_points(1, keys, (kidx, steps, values, ts))
+        engine.tick()
+    sp = engine._runs[1].spikes["train/loss"]
+    assert sp.n == 400                             # every point, not every other one
+    from gpuplane.db import events as db_events
+    spikes = db_events.query(db, types=["LOSS_SPIKE"])
+    assert [e["step"] for e in spikes] == [301]
