@@ -32,7 +32,7 @@ def diverging(rng):
             for s in range(STEPS)]
 
 
-CURVES = {"falling": falling, "diverging": diverging}
+CURVES = {"converged": converged_noisy, "falling": falling, "diverging": diverging}
 # what each curve is, whatever words decide it: (trend of train/loss, verdict)
 EXPECTED = {"converged": ({"flat"}, {"healthy"}),
             "falling": ({"improving"}, {"healthy"}),

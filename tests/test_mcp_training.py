@@ -99,3 +99,9 @@ def test_a_run_that_diverges_without_nan_is_diverging_and_told_to_lower_the_lr(t
     assert loss["trend"] != "improving", loss
     assert keys(trained["diverges"]["summary"])["lr"]["direction"] is None   # a schedule
 
+
+def test_a_run_that_does_not_learn_is_not_learning(trained):
+    d = trained["no-learning"]["diagnosis"]
+    assert d["verdict"] == "not learning", d
+    assert not re.search(r"(higher|raise|increase)( the)? learning rate", advice(d)) or \
+        "not 0 or far too small" in advice(d)

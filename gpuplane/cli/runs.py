@@ -153,9 +153,9 @@ def cmd_run_show(args):
         note(f"goal unknown for {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}:"
              " the name says neither lower nor higher is better, so it is not judged; "
              f"say which: gpuplane metric set {unknown[0]} --direction min|max")
-    print(f"\nverdict: {diagnosis['verdict'].upper()} — {diagnosis['summary']}")
-    for e in diagnosis.get("evidence") or []:
-        print(f"  - {e}")
+    from .semantic import print_verdict
+    print("\nverdict: ", end="")
+    print_verdict(diagnosis)
     from .events import print_recent
     print_recent(client, run=run["id"])
     return EXIT_OK

@@ -36,11 +36,23 @@ def cmd_diagnose(args):
     if args.json:
         print_json(d)
         return EXIT_OK
-    print(f"run {d['run_id']}: {d['verdict'].upper()} — {d['summary']}")
-    for e in d["evidence"]:
-        print(f"  - {e}")
+    print(f"run {d['run_id']}: ", end="")
+    print_verdict(d)
     _actions(d["next_actions"])
     return EXIT_OK
+
+
+def print_verdict(d):
+    """diagnose_run's answer as `gpuplane diagnose` and `run show` print it (the dashboard
+    shows the same fields beside the curves)."""
+    print(f"{d['verdict'].upper()} — {d['summary']}")
+    if d.get("advice"):
+        print(f"  advice: {d['advice']}")
+    c = d.get("confidence") or {}
+    if c.get("level"):
+        print(f"  confidence: {c['level']}" + (f" — {c['why']}" if c.get("why") else ""))
+    for e in d.get("evidence") or []:
+        print(f"  - {e}")
 
 
 def cmd_explain(args):

@@ -58,6 +58,10 @@ def test_run_page_verdict_matches_diagnose_and_run_show_and_sparse_system_charts
     assert page.inner_text("#verdict .verdict-word") == d["verdict"].upper()
     assert page.inner_text("#verdict .verdict-summary") == d["summary"]
     assert page.locator("#verdict .evidence li").all_inner_texts() == d["evidence"]
+    assert page.inner_text("#verdict .verdict-advice") == f"advice: {d['advice']}"
+    c = d["confidence"]
+    assert page.inner_text("#verdict .verdict-confidence") == \
+        f"confidence: {c['level']}" + (f" — {c['why']}" if c["why"] else "")
     # the keys table: the server's goal and trend, none decided in the page
     rows = {r.locator("td").first.locator("a").inner_text(): r
             for r in page.locator("#keys tbody tr").all()}
@@ -70,7 +74,7 @@ def test_run_page_verdict_matches_diagnose_and_run_show_and_sparse_system_charts
     monkeypatch.setenv("GPUCTL_TOKEN", server.token)
     assert cli.main(["--server", server.url, "run", "show", str(run)]) == 0
     out = capsys.readouterr().out
-    assert f"verdict: {d['verdict'].upper()} — {d['summary']}" in out
+    assert f"verdict: {d['verdict'].upper()} — {d['summary']}\n  advice: {d['advice']}\n" in out
     line = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     assert re.search(rf"\smin\s+{summary['train/loss']['trend']}\s", line["train/loss"])
     assert re.search(r"\sunknown\s+-\s", line["compare/a"]), line["compare/a"]

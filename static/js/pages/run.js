@@ -99,6 +99,8 @@ export async function render(root, [id]) {
       h("strong", { class: "verdict-word", text: d.verdict.toUpperCase() }), " — ",
       h("span", { class: "verdict-summary", text: d.summary }),
       d.primary_key ? h("span", { class: "muted small", text: ` (judged on ${d.primary_key})` }) : null,
+      d.advice ? h("div", { class: "small verdict-advice" }, h("strong", { text: "advice: " }), d.advice) : null,
+      d.confidence && d.confidence.level ? h("div", { class: "small muted verdict-confidence", text: `confidence: ${d.confidence.level}${d.confidence.why ? ` — ${d.confidence.why}` : ""}` }) : null,
       d.evidence && d.evidence.length ? h("ul", { class: "small evidence" }, d.evidence.map((e) => h("li", { text: e }))) : null));
   }
 
