@@ -16,6 +16,9 @@ a = ap.parse_args()
 for step in range(1, 21):
     run.log({"val/loss": (a.x - 0.3) ** 2 + (0.1 if a.opt == "sgd" else 0) + 1 / step}, step=step)
     time.sleep(0.01)
+with open(f"ck-{a.x}-{a.opt}.pt", "w") as f:
+    f.write("w")
+run.log_checkpoint(f"ck-{a.x}-{a.opt}.pt", step=20)
 """
 
 
@@ -44,6 +47,8 @@ def test_sweep_list_trials_table_and_scatter(open_page, cluster):
     assert "best so far: trial 2" in page.inner_text("#best")
     assert "x=0.3 opt=adam" in page.inner_text("#best")
     assert page.locator("#trials-body tr.leader[data-trial='2']").count() == 1
+    page.wait_for_selector("#recommended a")
+    assert "ck-0.3-adam.pt" in page.inner_text("#recommended")
     # one dot per trial; the best (x=0.3) lowest on the plot (smaller loss is lower)
     pts = page.evaluate("() => window.gpuplane.sweep.points")
     assert len(pts) == 6

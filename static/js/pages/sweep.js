@@ -25,12 +25,22 @@ export async function render(root, [id]) {
     h("section", { class: "card" }, h("h2", { text: "Parameter against the metric" }),
       h("div", { class: "row" }, h("label", { text: "x: " }, pick)), h("div", { class: "scroll-x" }, canvas)),
     h("section", {}, h("h2", { text: "Trials" }), h("div", { class: "scroll-x" }, table)));
+  const rec = h("div", { class: "card", id: "sweep-recommend" });
+  root.insertBefore(rec, facts.nextSibling);
   let sweep = null;
   window.gpuplane.sweep = { points: [] };
 
   async function load() {
     sweep = await api(`/sweeps/${id}`);
     draw();
+    // the checkpoint to keep across every trial (as `gpuplane ckpt recommend --sweep`)
+    const r = await api(`/checkpoints:recommend?sweep=${id}`).catch(() => null);
+    const c = r && r.checkpoint;
+    replace(rec, h("h2", { text: "Checkpoint to keep" }), c
+      ? h("p", { id: "recommended" }, h("a", { href: `#/runs/${c.run_id}`, text: `checkpoint ${c.checkpoint_id}` }),
+        ` of run ${c.run_id} at step ${c.step}: ${r.key} = ${fmtNum(c.value)} (${c.source}) · `,
+        h("code", { text: c.path || "" }), h("div", { class: "muted small", text: r.reason || "" }))
+      : h("p", { class: "muted", id: "recommended", text: (r && r.reason) || "no checkpoint yet" }));
   }
 
   function draw() {
