@@ -126,7 +126,9 @@ def ingest_trial(url, token, db_path, clients, seconds, worker, fmt, batch):
     elapsed = max(o[2] for o in outs)
     stored = count_points(db_path) - before
     sent = sum(o[1] for o in outs)
-    return stored / elapsed, stored, sent, stored / cpu, rollup_cpu / cpu if cpu else 0.0
+    # a trial starved of every CPU tick (load far above the cores) measured no server CPU
+    per_cpu = stored / cpu if cpu else float("nan")
+    return stored / elapsed, stored, sent, per_cpu, rollup_cpu / cpu if cpu else 0.0
 
 
 def rolled_up(db_path, timeout=300):
