@@ -1860,6 +1860,9 @@ class SlurmLauncher:
             _write_quick(att.file("slurm.json"), {"job_id": slurm_id,
                                                   "submitted_at": answered_at})
             att.slurm_id = slurm_id
+            # its first PENDING reason waits SLURM_REASON_S too: most jobs of a short
+            # queue start before, and a record less per job is an fsync less
+            att.slurm_reason_at = time.monotonic()
             self.pending[slurm_id] = att
             log.info("job %s attempt %s: Slurm job %s", att.job_id, att.attempt, slurm_id)
             self.kick()
@@ -1931,8 +1934,9 @@ class SlurmLauncher:
 
     def _apply(self, ids, found, err):
         """(runner thread) write `pid` when Slurm runs a job, `exit` when it ends; report a
-        PENDING reason when it changes (a change within SLURM_REASON_S of the last report
-        waits for a later poll: a queue's reasons flap between Priority and Resources)."""
+        PENDING reason when it changes (a change within SLURM_REASON_S of the submit or of
+        the last report waits for a later poll: a queue's reasons flap between Priority
+        and Resources)."""
         now = time.monotonic()
         self._polling = False
         if err is not None:
@@ -2727,7 +2731,9 @@ class Runner(Worker):
                     break
                 got_lines = True
                 room = self.reporter.room(att)
-        if now >= att.next_hook and room > 0 and att.run_id is not None:
+        # hooks once the command runs: a Slurm job may wait in Slurm's queue for hours,
+        # and a walk of its working dir for TensorBoard files is wasted until it starts
+        if now >= att.next_hook and room > 0 and att.run_id is not None and att.pid():
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
         cancel = read_json(att.file("cancel"))

@@ -116,9 +116,32 @@ class Platform:
         stop_server(self.server)
 
 
+def cpu_seconds(pids):
+    """User + system CPU seconds of these processes, their live children and the
+    children they reaped, so far."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            t = p.cpu_times()     # with its reaped children: the sbatch and squeue calls
+            total += t.user + t.system + t.children_user + t.children_system
+            for q in p.children(recursive=True):
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def gpuplane_round(plat, work, n, tag):
+    # one working dir per round, shared by its jobs as a project's is (an agent tails each
+    # job's working dir for TensorBoard files: the other round's files would weigh on it)
+    work = work / f"g{tag}"
+    work.mkdir()
     markers = [work / f"g{tag}-{i}" for i in range(n)]
     sent = []
+    cpu0 = cpu_seconds([plat.agent.pid, plat.server.pid])
     t0 = time.time()
     ids = []
     for m in markers:
@@ -129,7 +152,9 @@ def gpuplane_round(plat, work, n, tag):
     done = wait(lambda: plat.drained(set(ids)), what=f"{n} jobs drained", every=0.5)
     drain = max(j["ended_at"] for j in done) / 1000 - t0
     lat = [read_stamp(m) - s for m, s in zip(markers, sent)]
-    return lat, drain, breakdown(plat, done, markers, sent)
+    parts = breakdown(plat, done, markers, sent)
+    parts["GPUPlane CPU (agent + server)"] = cpu_seconds([plat.agent.pid, plat.server.pid]) - cpu0
+    return lat, drain, parts
 
 
 def breakdown(plat, done, markers, sent):
@@ -157,6 +182,8 @@ def breakdown(plat, done, markers, sent):
 def direct_round(cluster, work, n, tag, submitters):
     """sbatch from `submitters` threads, as many as the agent's (SLURM_SUBMITTERS)."""
     import concurrent.futures
+    work = work / f"d{tag}"
+    work.mkdir()
     markers = [work / f"d{tag}-{i}" for i in range(n)]
     sent = [0.0] * n
     t0 = time.time()
@@ -184,6 +211,8 @@ def direct_round(cluster, work, n, tag, submitters):
 
 
 def serial(plat, cluster, work, n):
+    work = work / "serial"
+    work.mkdir()
     g, d = [], []
     for i in range(n):
         m = work / f"gs-{i}"
