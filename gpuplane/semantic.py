@@ -365,8 +365,10 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     if "LOSS_SPIKE" in kinds or spikes:
         if spikes:
             s = spikes[0]
+            kind = ("a bucket mean" if (by_key[lname].get("count") or 0) > lf["points"]
+                    else "logged")
             evidence.insert(0, f"{lname} jumped to {_fmt(s['value'])} at step {s['step']} "
-                               f"(logged; {_fmt(s['level'])} before it, smoothed) and came "
+                               f"({kind}; {_fmt(s['level'])} before it, smoothed) and came "
                                f"back" + (f"; {len(spikes)} such spikes" if len(spikes) > 1
                                           else ""))
         confident("high" if "LOSS_SPIKE" in kinds and spikes else "medium", lname,

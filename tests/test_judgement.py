@@ -235,3 +235,29 @@ def test_the_benchmark_scores_the_server_path(corpus):
     assert by["diverged"]["trends"]["train/loss"] == "worsening"
     assert "LOSS_NAN" in by["nan"]["found"] and by["nan"]["diag"]["verdict"] == "diverging"
     assert "LOSS_SPIKE" in by["spike"]["found"] and by["spike"]["diag"]["verdict"] == "unstable"
+
+
+def test_every_number_said_to_be_logged_was_logged_at_that_step(corpus):
+    """diagnose_run through the server path: each "V at step S (logged)" in its evidence is
+    the value the run logged at step S (to the 4 digits quoted); downsampled points say
+    they are bucket means, levels say they are smoothed."""
+    import re
+    sys.path.insert(0, str(ROOT / "bench"))
+    import judgement
+    few = [pick(corpus, lab)[1] for lab in ("healthy", "diverged", "spike", "overfit",
+                                            "not_learning")]
+    checked = 0
+    for res in judgement.judge_all(few):
+        r = res["run"]
+        raw = {"train/loss": {i + 1: v for i, v in enumerate(r["train_loss"])},
+               "eval/loss": dict(zip(r["eval_steps"], r["eval_loss"])),
+               "eval/acc": dict(zip(r["eval_steps"], r["eval_acc"]))}
+        for line in res["diag"]["evidence"]:
+            key = line.split(":")[0].split(" ")[0]
+            if key not in raw:
+                continue
+            for v, step in re.findall(r"(-?[\d.]+(?:e[-+]?\d+)?) at step (\d+) \(logged", line):
+                logged = value(raw[key][int(step)])
+                assert float(v) == pytest.approx(logged, rel=1e-3), (r["name"], line)
+                checked += 1
+    assert checked >= 8
