@@ -2,8 +2,8 @@
 
 `facts(points, direction)` turns a curve (logged points, or the bucket means of a long
 series) into plain numbers: where it started, its best and last logged points, its noise,
-its smoothed level at the start and at the end, its spikes and whether it recovered from
-them, how far it ended from where it began, and its trend. `semantic.trend` (run show,
+its smoothed level at the start and at the end, its spikes (judged by rules.spikes, the
+LOSS_SPIKE rule itself, on raw points) and whether it recovered from them, how far it ended from where it began, and its trend. `semantic.trend` (run show,
 get_metric_summary, the dashboard), `semantic.diagnose_run` and `compare_runs` all read
 these facts, so on one curve they tell one story. Pure: no SQL, no I/O, no clock.
 
@@ -27,12 +27,6 @@ TREND_SHARE = 0.10        # trend: the last 10% against the 10% before it
 TREND_Z = 3.0             # ... a change beyond 3 standard errors of the two medians
 TREND_MIN_REL = 0.005     # ... and beyond 0.5% of the level
 TREND_SHARE_APART = 0.7   # ... and 70% of the pairs of points across the windows agree
-SPIKE_Z = 8.0             # a spike: a point 8 noise widths above the running median
-SPIKE_RATIO = 1.0         # ... and at least this much above it (1.0 = twice the level)
-SPIKE_WINDOW = 9          # ... the running median over the 9 points before it
-SPIKE_START_RATIO = 1.1   # or: a point 1.1x above the curve's first level ...
-SPIKE_START_JUMP = 2.5    # ... and 2.5x the running median (rules.py's LOSS_SPIKE alike)
-SPIKE_MIN_STEPS = 128     # no spike in the first 128 steps: early training is volatile
 DIVERGE_RATIO = 1.5       # diverged: a loss whose end level is 1.5x its first values
 NOT_LEARNING_SHARE = 0.10  # not learning: the end within 10% of the start level
 MIN_POINTS = 10           # fewer points: too early to judge
@@ -63,12 +57,15 @@ def _win(n, share):
     return min(n, max(3, round(n * share)))
 
 
-def facts(points, direction, head=None):
+def facts(points, direction, head=None, spikes=None):
     """The facts of one curve, or None without a finite point. `direction` 'min' | 'max'
     (None: unknown: no best, no better or worse, trend 'unknown'). Badness is the value
     turned so that lower is better; the *_level fields are in the metric's own units.
     `head` [step, lowest, highest]: the logged extremes of the first bucket of a
-    downsampled curve, so its first values count even when the bucket's mean hides them."""
+    downsampled curve, so its first values count even when the bucket's mean hides them.
+    `spikes`: the curve's spikes as LOSS_SPIKE judges them on its raw points
+    (rules.spikes, the one spike judgement); None: not judged here (a bucket mean is no
+    point to judge a spike on; the run's LOSS_SPIKE events tell)."""
     all_pts = list(points)
     pts = finite_points(all_pts)
     nonfinite = next(({"step": p[0], "value": p[1]} for p in all_pts
@@ -91,7 +88,6 @@ def facts(points, direction, head=None):
             first3 = min(first3, sign * h)
     end = statistics.median(b[-ke:])
     nz = noise(b[-max(3, n // 2):])        # the noise of the later half: warm-up is not noise
-    spikes = _spikes(steps, b, vals, sign, first3 if direction == "min" else None)
     i_best = min(range(n), key=b.__getitem__)
     scale = max(abs(start), abs(first3), nz, 1e-12)
     out = {
@@ -109,7 +105,8 @@ def facts(points, direction, head=None):
         # from the higher of the start level and the first values: a run that learns within
         # its first 10% has a start level near its end, but not its first values
         "improvement_share": (max(start, first3) - end) / scale,
-        "spikes": spikes,
+        "spikes": [{k: v for k, v in x.items() if k != "finding"} for x in spikes or ()],
+        "spikes_judged": spikes is not None,
         "nonfinite": nonfinite,
         "direction": direction,
     }
@@ -156,38 +153,6 @@ def _share_below(xs, ys):
         hi = bisect.bisect_right(ys, x)
         below += (len(ys) - hi) + 0.5 * (hi - lo)
     return below / (len(xs) * len(ys))
-
-
-def _spikes(steps, b, vals, sign, f0=None):
-    """Points far above the running median of the points before them (in badness), with
-    whether the curve came back: its level 5-20 points later within reach of the level
-    before. At most 20, the largest first."""
-    n = len(b)
-    if n < SPIKE_WINDOW + 3:
-        return []
-    nz = noise(b)
-    out = []
-    for i in range(SPIKE_WINDOW, n):
-        if steps[i] - steps[0] < SPIKE_MIN_STEPS:
-            continue
-        before = b[i - SPIKE_WINDOW:i]
-        lvl = statistics.median(before)
-        jump = b[i] - lvl
-        above_start = (f0 is not None and f0 > 0 and lvl > 0 and b[i] > SPIKE_START_RATIO * f0
-                       and b[i] > SPIKE_START_JUMP * lvl)
-        if not above_start and (jump <= SPIKE_Z * max(nz, 1e-12) or jump <= SPIKE_RATIO * abs(lvl)):
-            continue
-        if out and i - out[-1]["i"] <= 2:            # one event: keep its highest point
-            if b[i] > out[-1]["_b"]:
-                out[-1].update(i=i, step=steps[i], value=vals[i], _b=b[i])
-            continue
-        after = b[i + 5:i + 21]
-        recovered = bool(after) and statistics.median(after) <= lvl + 0.5 * jump
-        out.append({"i": i, "step": steps[i], "value": vals[i], "_b": b[i],
-                    "level": sign * lvl, "recovered": recovered})
-    out.sort(key=lambda s: s["_b"], reverse=True)
-    return [{k: v for k, v in s.items() if not k.startswith("_") and k != "i"}
-            for s in out[:20]]
 
 
 def diverged(f):

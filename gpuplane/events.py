@@ -88,6 +88,7 @@ class RunWindows:
     def __init__(self, ctx):
         self.ctx = ctx                  # run_id, job_id, attempt, node, state, source
         self.spikes = {}                # key -> rules.Spike
+        self.lr = None                  # rules.LrTrack: the run's learning rate (made with cfg)
         self.diverge = {}               # key -> rules.Diverge
         self.overfit = {}               # eval key -> rules.Overfit
         self.train_keys = {}            # base -> train key
@@ -284,7 +285,11 @@ class Engine(Worker):
         # positions by chance, and slicing it would hand that key every other point.
         regular = n > 1 and len(kidx) % n == 0 and \
             all(kidx[j::n].count(j) == len(kidx) // n for j in range(n))
-        for i, key in enumerate(keys):
+        # the learning rate first: the spike rule's restart grace then knows the rate at
+        # every step of the batch, as rules.spikes() (diagnose_run) does
+        order = sorted(range(n), key=lambda j: _classify(keys[j])[0] != "lr")
+        for i in order:
+            key = keys[i]
             kind, base = _classify(key)
             progress = progress or not vocab.is_system(key)   # sys/* comes while hung too
             if kind == "sys":
@@ -329,8 +334,9 @@ class Engine(Worker):
                     new += self._store(f, run)
             return new
         if kind == "lr":
-            for sp in run.spikes.values():
-                sp.lr_points(steps, values)
+            if run.lr is None:
+                run.lr = rules.LrTrack(self.cfg)
+            run.lr.points(steps, values)
             return new
         if kind in ("loss", "eval_loss"):
             f = rules.nonfinite(key, steps, values)
@@ -339,7 +345,9 @@ class Engine(Worker):
         if kind == "loss":
             sp = run.spikes.get(key)
             if sp is None:
-                sp = run.spikes[key] = rules.Spike(key, self.cfg)
+                if run.lr is None:
+                    run.lr = rules.LrTrack(self.cfg)
+                sp = run.spikes[key] = rules.Spike(key, self.cfg, lr=run.lr)
                 self._rebuild(run, key, steps[0], sp.extend, int(self.cfg["spike_window"]))
             for f in sp.extend(steps, values):
                 new += self._store(f, run, fingerprint=f"LOSS_SPIKE:{rid}:{key}:{f['step']}")

@@ -95,6 +95,41 @@ def _finite_sum(values):
 
 # -- LOSS_SPIKE -------------------------------------------------------------------------
 
+class LrTrack:
+    """The run's logged learning rate as the spike rule needs it: a rise of more than a
+    fifth marks a restart (warm-up, a warm restart), unless it goes beyond `spike_burst` x
+    the highest rate seen before: a burst, whose spikes are the very thing to report. One
+    per run, fed before the run's losses of the same batch, so what the rule knows of the
+    rate at a step never depends on how the points were batched."""
+
+    def __init__(self, cfg=DEFAULTS):
+        self.last = None
+        self.max = 0.0
+        self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
+        self.rises = deque(maxlen=64)    # steps at which the learning rate went up
+
+    def points(self, steps, values):
+        if not values:
+            return
+        # a decaying or constant rate (nearly always): one C-level pass, no loop
+        first_ok = self.last is None or not values[0] > 1.2 * self.last
+        if first_ok and not any(map(operator.gt, values[1:],
+                                    map((1.2).__mul__, values[:-1]))):
+            v = values[-1]
+            if math.isfinite(v):
+                self.last = v
+                self.max = max(self.max, max(filter(math.isfinite, values)))
+            return
+        for s, v in zip(steps, values):
+            if not math.isfinite(v):
+                continue
+            if self.last is not None and v > 1.2 * self.last and v > 0 and \
+                    not (self.max > 0 and v > self.burst * self.max):
+                self.rises.append(s)
+            self.last = v
+            self.max = max(self.max, v)
+
+
 class Spike:
     """A point far above the recent level of a loss-like key: a robust z (the level is the
     median of the latest points, the noise the median step-to-step change of the window)
@@ -106,7 +141,7 @@ class Spike:
     the verdict never depends on how the points were batched."""
     REFRESH = 64
 
-    def __init__(self, key, cfg=DEFAULTS):
+    def __init__(self, key, cfg=DEFAULTS, lr=None):
         self.key = key
         self.window = deque(maxlen=int(cfg["spike_window"]))
         self.min_points = int(cfg["spike_min_points"])
@@ -117,41 +152,18 @@ class Spike:
         self.limit = math.inf        # in the original units
         self.med = self.scale = None
         self.log = False
-        self.last_lr = None
-        self.max_lr = 0.0
-        self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
         self.start_ratio = float(cfg.get("spike_start_ratio", DEFAULTS["spike_start_ratio"]))
         self.start_jump = float(cfg.get("spike_start_jump", DEFAULTS["spike_start_jump"]))
         self.first = []                     # the key's first 3 finite values
         self.f0 = None
-        self.lr_rises = deque(maxlen=64)    # steps at which the learning rate went up
+        # the run's learning rate, shared by every loss key of the run (the engine's)
+        self.lr = lr if lr is not None else LrTrack(cfg)
 
     def lr_points(self, steps, values):
-        """The run's learning rate: a rise of more than a fifth marks a restart (warm-up,
-        a warm restart), unless it goes beyond `spike_burst` x the highest rate seen
-        before: a burst, whose spikes are the very thing to report."""
-        if not values:
-            return
-        # a decaying or constant rate (nearly always): one C-level pass, no loop
-        first_ok = self.last_lr is None or not values[0] > 1.2 * self.last_lr
-        if first_ok and not any(map(operator.gt, values[1:],
-                                    map((1.2).__mul__, values[:-1]))):
-            v = values[-1]
-            if math.isfinite(v):
-                self.last_lr = v
-                self.max_lr = max(self.max_lr, max(filter(math.isfinite, values)))
-            return
-        for s, v in zip(steps, values):
-            if not math.isfinite(v):
-                continue
-            if self.last_lr is not None and v > 1.2 * self.last_lr and v > 0 and \
-                    not (self.max_lr > 0 and v > self.burst * self.max_lr):
-                self.lr_rises.append(s)
-            self.last_lr = v
-            self.max_lr = max(self.max_lr, v)
+        self.lr.points(steps, values)
 
     def _after_lr_rise(self, s):
-        return any(0 <= s - r <= self.lr_grace for r in self.lr_rises)
+        return any(0 <= s - r <= self.lr_grace for r in self.lr.rises)
 
     def _refresh(self):
         if self.n < self.min_points or len(self.window) < min(self.min_points, 24):
@@ -185,21 +197,23 @@ class Spike:
     def _z(self, v):
         return ((math.log(v) if self.log else v) - self.med) / self.scale
 
-    def extend(self, steps, values):
-        """Feed points in step order; returns the findings (at most one per call)."""
+    def extend(self, steps, values, every=False):
+        """Feed points in step order; returns the findings (at most one per call; `every`:
+        all of them, as spikes() does)."""
         out = None
+        found = []
         i, n = 0, len(values)
         while i < n:
             if self.n % self.REFRESH == 0:
                 self._refresh()
             take = min(n - i, self.REFRESH - self.n % self.REFRESH)
             chunk = values[i:i + take]
-            if out is None and _chunk_needs_look(chunk, self.limit):
+            if (out is None or every) and _chunk_needs_look(chunk, self.limit):
                 for j in range(take):
                     v, s = chunk[j], steps[i + j]
                     if not (math.isfinite(v) and v > self.limit):
                         continue
-                    if self.lr_rises and self._after_lr_rise(s):
+                    if self.lr.rises and self._after_lr_rise(s):
                         continue
                     med = math.exp(self.med) if self.log else self.med
                     z = self._z(v)
@@ -214,13 +228,50 @@ class Spike:
                         key=self.key, value=v, median=med, z=round(z, 2),
                         first_level=self.f0,
                         log_scale=self.log, window=len(self.window))
-                    break
+                    found.append(out)
+                    if not every:
+                        break
             if len(self.first) < 3:
                 self.first.extend(list(filter(math.isfinite, chunk))[:3 - len(self.first)])
             self.window.extend(filter(math.isfinite, chunk))
             self.n += take
             i += take
-        return [out] if out else []
+        return found
+
+
+def spike_watched(key):
+    """The keys LOSS_SPIKE watches: a train loss (loss-like, not eval, not system, not a
+    learning rate). The engine and diagnose_run ask this same question."""
+    return (not vocab.is_system(key) and not vocab.is_lr(key) and vocab.is_loss(key)
+            and eval_pair(key)[0] != "eval")
+
+
+def spikes(key, points, lr_points=(), cfg=DEFAULTS):
+    """Every LOSS_SPIKE the rule finds on a curve, judged as the engine judges it (the
+    one spike judgement: the event engine feeds the same rule the same raw points, the
+    learning rate first): [{"step", "value", "level", "recovered", "finding"}], in step
+    order. `recovered`: the curve's median 5-20 points later is within half the jump of
+    the level before it. `points`, `lr_points`: raw [step, value] pairs."""
+    track = LrTrack(cfg)
+    lr = [(p[0], vocab.decode(p[1])) for p in lr_points]
+    track.points([s for s, _ in lr], [v for _, v in lr])
+    sp = Spike(key, cfg, lr=track)
+    pts = [(p[0], vocab.decode(p[1])) for p in points]
+    steps, values = [s for s, _ in pts], [v for _, v in pts]
+    out = []
+    at = {s: i for i, s in enumerate(steps)}
+    for f in sp.extend(steps, values, every=True):
+        i = at[f["step"]]
+        v, lvl = f["evidence"]["value"], f["evidence"]["median"]
+        after = [x for x in values[i + 5:i + 21] if math.isfinite(x)]
+        if out and i - out[-1]["_i"] <= 2:            # one event: keep its highest point
+            if v > out[-1]["value"]:
+                out[-1].update(_i=i, step=f["step"], value=v, finding=f)
+            continue
+        out.append({"_i": i, "step": f["step"], "value": v, "level": lvl,
+                    "recovered": bool(after) and median(after) <= lvl + 0.5 * (v - lvl),
+                    "finding": f})
+    return [{k: v for k, v in s.items() if k != "_i"} for s in out]
 
 
 def _chunk_needs_look(chunk, limit):

@@ -21,7 +21,7 @@ import math
 import re
 import statistics
 
-from . import curves, params, vocab
+from . import curves, params, rules, vocab
 from .next_actions import action, resubmit
 
 # What a key means (its role, loss-like, its direction) is gpuplane/vocab.py's; these
@@ -115,14 +115,19 @@ def noise(values):
     return curves.noise(values)
 
 
-def curve_facts(points, direction, head=None):
+def curve_facts(points, direction, head=None, spike_key=None, lr_points=()):
     """The facts of one curve (curves.facts); a long raw curve is judged as bucket means,
-    since the windows below are not linear in its length. None without a finite point."""
+    since the windows below are not linear in its length. None without a finite point.
+    `spike_key`: the points are the key's raw logged points and LOSS_SPIKE watches it: its
+    spikes are rules.spikes' (the rule itself, on the same points, with the run's learning
+    rate `lr_points`), so a verdict and the events never disagree on a spike."""
+    spikes = (rules.spikes(spike_key, points, lr_points)
+              if spike_key and rules.spike_watched(spike_key) else None)
     pts = curves.finite_points(points)
     if len(pts) > MAX_CURVE_POINTS:
         bad = next((p for p in points if not math.isfinite(num(p[1]))), None)
         points = _bucket_means(pts, MAX_CURVE_POINTS // 2) + ([bad] if bad else [])
-    f = curves.facts(points, direction, head=head)
+    f = curves.facts(points, direction, head=head, spikes=spikes)
     if f is None:
         return None
     # the best smoothed level (a 5% running median), so one lucky point makes no trough
@@ -138,6 +143,12 @@ def curve_facts(points, direction, head=None):
     w = max(2, round(n * PLATEAU_WINDOW))
     f["late_gain"] = statistics.median(b[-w:][:max(1, w // 3)]) - statistics.median(b[-max(2, w // 3):])
     return f
+
+
+def _raw(k):
+    """The key's points are its logged points, not the bucket means of a longer series."""
+    pts = k.get("points") or []
+    return k.get("count") is None or k.get("count") == len(pts)
 
 
 def _bucket_means(pts, n):
@@ -224,9 +235,14 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     train = _train_key(keys)
     evidence = []
     facts = {}
+    # the spike judgement is the LOSS_SPIKE rule's, on raw points only: a key whose points
+    # are all there (not bucket means) is run through it with the run's learning rate;
+    # a downsampled one is judged by the run's LOSS_SPIKE events (the rule on raw points)
+    lr = next((k.get("points") or [] for k in keys if vocab.is_lr(k["key"]) and _raw(k)), [])
     for name in {main, train} - {None}:
-        facts[name] = curve_facts(by_key[name].get("points") or [], by_key[name]["direction"],
-                                  head=by_key[name].get("head"))
+        k = by_key[name]
+        facts[name] = curve_facts(k.get("points") or [], k["direction"], head=k.get("head"),
+                                  spike_key=name if _raw(k) else None, lr_points=lr)
     sure = {"level": "high", "points": 0, "noise": None, "why": ""}
 
     def result(verdict, summary, actions):
@@ -361,21 +377,22 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                       f"({_fmt(lf['start_level'])} at first, {_fmt(lf['end_level'])} at the "
                       f"end, smoothed)", acts)
 
-    spikes = [s for s in (lf["spikes"] if lf else []) if s["recovered"]]
+    # unstable: exactly when LOSS_SPIKE fires (the run's events, or the rule itself on the
+    # raw points here): one spike judgement, so the verdict and the events agree
+    spikes = list(lf["spikes"]) if lf else []
     if "LOSS_SPIKE" in kinds or spikes:
         if spikes:
-            s = spikes[0]
-            kind = ("a bucket mean" if (by_key[lname].get("count") or 0) > lf["points"]
-                    else "logged")
+            s = max(spikes, key=lambda x: x["value"] - x["level"])
             evidence.insert(0, f"{lname} jumped to {_fmt(s['value'])} at step {s['step']} "
-                               f"({kind}; {_fmt(s['level'])} before it, smoothed) and came "
-                               f"back" + (f"; {len(spikes)} such spikes" if len(spikes) > 1
-                                          else ""))
+                               f"(logged; {_fmt(s['level'])} before it, its recent median) "
+                               + ("and came back" if s["recovered"] else "and stayed high")
+                               + (f"; {len(spikes)} such spikes" if len(spikes) > 1 else ""))
         confident("high" if "LOSS_SPIKE" in kinds and spikes else "medium", lname,
                   "a LOSS_SPIKE event and the curve's own spikes" if "LOSS_SPIKE" in kinds
                   and spikes else "a LOSS_SPIKE event" if "LOSS_SPIKE" in kinds
-                  else "the curve's own spikes (no event fired)")
-        step = spikes[0]["step"] if spikes else None
+                  else "the LOSS_SPIKE rule on the curve's logged points")
+        step = (s["step"] if spikes else
+                next((e.get("step") for e in bad_events if e.get("type") == "LOSS_SPIKE"), None))
         acts = resubmit(run.get("job"), "clip gradients (e.g. max norm 1.0), lower the peak "
                         "learning rate or lengthen its warm-up"
                         + (f"; check the batch at step {step}" if step is not None else "")

@@ -40,7 +40,8 @@ def keys_of(r):
     for name, pts, d in (
             ("train/loss", [[i + 1, v] for i, v in enumerate(r["train_loss"])], "min"),
             ("eval/loss", [[s, v] for s, v, _ in evs], "min"),
-            ("eval/acc", [[s, a] for s, _, a in evs], "max")):
+            ("eval/acc", [[s, a] for s, _, a in evs], "max"),
+            ("lr", [[i + 1, v] for i, v in enumerate(r["lr"])], None)):
         if not pts:
             continue
         fin = [p for p in pts if math.isfinite(value(p[1]))]
@@ -141,7 +142,8 @@ def test_facts_quote_logged_points(corpus):
 def test_spike_runs_show_their_spike_and_recovery(corpus):
     for r in pick(corpus, "spike"):
         pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
-        f = curves.facts(pts, "min")
+        lr = [[i + 1, v] for i, v in enumerate(r["lr"])]
+        f = semantic.curve_facts(pts, "min", spike_key="train/loss", lr_points=lr)
         s = r["inject"]["step"]
         assert any(s <= sp["step"] <= s + 6 and sp["recovered"] for sp in f["spikes"]), \
             (r["name"], f["spikes"][:3])
@@ -261,3 +263,44 @@ def test_every_number_said_to_be_logged_was_logged_at_that_step(corpus):
                 assert float(v) == pytest.approx(logged, rel=1e-3), (r["name"], line)
                 checked += 1
     assert checked >= 8
+
+
+# -- one spike judgement ------------------------------------------------------------------------
+
+SPIKE_MAY_LOSE_TO = ("diverging", "not learning", "stalled", "failed")
+
+
+def all_runs():
+    """Every run of every part: agreement is a property, not a tuned figure."""
+    out = []
+    for path in sorted((ROOT / "bench" / "data").glob("real_runs*.json.gz")):
+        with gzip.open(path, "rt") as f:
+            out += json.load(f)["runs"]
+    return out
+
+
+def test_the_unstable_verdict_and_loss_spike_events_never_disagree():
+    """diagnose_run's `unstable` and the LOSS_SPIKE rule are one judgement (rules.spikes on
+    the raw points): through the server path (events from the engine, key_data's bucket
+    means), `unstable` comes with a LOSS_SPIKE event and a LOSS_SPIKE event gives
+    `unstable` unless a graver verdict wins; judged from the raw points alone (no events),
+    diagnose_run finds the same spikes the rule fed in batches finds."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import judgement
+    runs = all_runs()
+    bad = []
+    for res in judgement.judge_all(runs):
+        v, spiked = res["diag"]["verdict"], "LOSS_SPIKE" in res["found"]
+        if (v == "unstable") != spiked and not (spiked and v in SPIKE_MAY_LOSE_TO):
+            bad.append((res["run"]["name"], v, sorted(res["found"])))
+    assert not bad, bad
+    for r in runs:
+        rule = bool(feed(rules.Spike("train/loss"), r))
+        pts = [[i + 1, v] for i, v in enumerate(r["train_loss"])]
+        lr = [[i + 1, v] for i, v in enumerate(r["lr"])]
+        f = semantic.curve_facts(pts, "min", spike_key="train/loss", lr_points=lr)
+        assert bool(f["spikes"]) == rule, (r["name"], f["spikes"][:2])
+        if r["label"] != "stall":
+            v = diagnose(r)["verdict"]
+            assert (v == "unstable") == rule or (rule and v in SPIKE_MAY_LOSE_TO), \
+                (r["name"], v, rule)
