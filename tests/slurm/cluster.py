@@ -33,6 +33,16 @@ def _which(name):
         (p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.access(p, os.X_OK)), None)
 
 
+def _die_with_parent():
+    """In the daemon, before exec: SIGTERM when the process that started it dies (a test
+    run killed before its teardown must not leave a cluster behind)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def missing():
     """Why no cluster can start here (a sentence), or None."""
     need = [n for n in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue",
@@ -143,7 +153,8 @@ PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime={self.max_t
         out = open(self.root / "log" / f"{name}.out", "ab")
         self.procs[name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=self.env(),
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=_die_with_parent)
         out.close()
 
     def start(self, timeout=60):
@@ -249,6 +260,16 @@ PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime={self.max_t
                     pass
 
     def _remove_cgroups(self):
+        # a killed job's cgroup empties a moment after its processes are gone
+        deadline = time.monotonic() + 3
+        while True:
+            self._rmdir_cgroups()
+            if not list(pathlib.Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}")) \
+                    or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+
+    def _rmdir_cgroups(self):
         for top in pathlib.Path("/sys/fs/cgroup").glob(f"*/slurm_{self.node}"):
             # deepest first: a cgroup dir is removed with rmdir once it is empty
             for d in sorted(top.rglob("*"), key=lambda p: -len(p.parts)):
