@@ -165,6 +165,18 @@ def test_cancel_is_scancel(slurm_server, slurm_agent, slurm_cluster, tmp_path):
     assert info["JobState"] in ("CANCELLED", "FAILED"), info
 
 
+def test_cancel_kills_a_job_that_ignores_term(slurm_server, slurm_agent, slurm_cluster,
+                                              tmp_path):
+    job = submit(slurm_server, tmp_path, "trap '' TERM; echo started; "
+                 "while true; do sleep 0.2 || true; done")
+    wait_for(lambda: "started" in lines(slurm_server, job["id"]), 60, interval=0.2,
+             what="the job's first line")
+    slurm_server.api.post(f"/api/v1/jobs/{job['id']}/cancel", expect=200)
+    done = wait_state(slurm_server, job["id"], FINAL)       # SIGKILL after the 5 s grace
+    assert done["state"] == "CANCELLED", done
+    assert done["slurm_job_id"] not in slurm_cluster.jobs()
+
+
 def test_scancel_from_outside(slurm_server, slurm_agent, slurm_cluster, tmp_path):
     job = submit(slurm_server, tmp_path, "echo up; sleep 300")
     running = wait_state(slurm_server, job["id"], ("RUNNING",) + FINAL)
