@@ -155,11 +155,17 @@ def _mw_z(a, b):
     return (u - mu) / sd if sd else 0.0
 
 
-def contradictions(res):
+def contradictions(res, start_points=3):
     """Where a key's trend contradicts its raw recorded values: 'improving' while its last
-    10% is far worse than its first 10%, or a direction that the raw last 10% (at least 3
-    points) against the 10% before does not show: their medians differ the other way, a
-    Mann-Whitney z beyond 2 the other way, or under 1 either way (no evidence at all)."""
+    10% is far worse than where it started, or a direction that the raw last 10% (at least
+    3 points) against the 10% before does not show: their medians differ the other way, a
+    Mann-Whitney z beyond 2 the other way, or under 1 either way (no evidence at all); a
+    curve far worse than where it started is 'worsening' whatever its last stretch does
+    (issue 25: "a loss far above its first values is not improving").
+    Where it started: the better of the median of its first 10% and its best of its first
+    `start_points` logged points (a loss that blows up within its first 10% started at its
+    first values, not at the median of the blow-up); start_points=0: the first 10%'s
+    median only (the criterion of the first scoring, printed beside for comparison)."""
     r = res["run"]
     out = []
     for key, vals, d in (("train/loss", r["train_loss"], "min"),
@@ -173,8 +179,10 @@ def contradictions(res):
         b = xs if d == "min" else [-v for v in xs]
         k = max(3, round(len(b) * 0.1))
         first, last, prev = b[:k], b[-k:], b[-2 * k:-k]
-        far_worse = statistics.median(last) > statistics.median(first) + \
-            0.5 * abs(statistics.median(first))
+        origin = statistics.median(first)
+        if start_points:
+            origin = min(origin, min(b[:start_points]))
+        far_worse = statistics.median(last) > origin + 0.5 * abs(origin)
         z = _mw_z(prev, last)            # > 0: the last window is worse
         d_med = statistics.median(last) - statistics.median(prev)
         if t == "improving" and far_worse:
@@ -242,8 +250,10 @@ def print_half(name, results, detail=True):
             given[res["diag"]["verdict"]] = given.get(res["diag"]["verdict"], 0) + 1
         print(f"{lab:14} {len(rs):4d} {ok:5d}  "
               + ", ".join(f"{v} {c}" for v, c in sorted(given.items())))
+    old = sum(len(contradictions(res, 0)) for res in results)
     print(f"trend contradictions: {len(contra)} (keys judged: "
-          f"{sum(1 for res in results for k in ('train/loss', 'eval/loss', 'eval/acc') if res['trends'].get(k) not in (None, 'unknown'))})")
+          f"{sum(1 for res in results for k in ('train/loss', 'eval/loss', 'eval/acc') if res['trends'].get(k) not in (None, 'unknown'))}; "
+          f"{old} with the start taken as the first 10%'s median only)")
     if not detail:
         return
     for rule, _, _, _, _, _, misses, alarms in rows:

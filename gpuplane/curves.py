@@ -27,6 +27,7 @@ TREND_SHARE = 0.10        # trend: the last 10% against the 10% before it
 TREND_Z = 3.0             # ... a change beyond 3 standard errors of the two medians
 TREND_MIN_REL = 0.005     # ... and beyond 0.5% of the level
 TREND_SHARE_APART = 0.7   # ... and 70% of the pairs of points across the windows agree
+TREND_APART_Z = 1.5       # ... which on short windows is no chance: a rank-sum z beyond 1.5
 DIVERGE_RATIO = 1.5       # diverged: a loss whose end level is 1.5x its first values
 NOT_LEARNING_SHARE = 0.10  # not learning: the end within 10% of the start level
 MIN_POINTS = 10           # fewer points: too early to judge
@@ -128,18 +129,24 @@ def _trend(b, nz, start, first3, direction):
     level = max(abs(a), abs(p), 1e-12)
     # Far worse than where it started (a loss far above its first values) is not
     # improving, whatever its last windows do.
+    # The noise may ask for more, but never beyond 3x the origin: a loss that ends at 3x its
+    # first values is far worse whatever its later half's noise (diverged() alike).
     origin = min(start, first3)
-    if a - origin > max(TREND_Z * se, (DIVERGE_RATIO - 1) * abs(origin), TREND_MIN_REL * level):
+    if a - origin > max(min(TREND_Z * se, 2 * abs(origin)), (DIVERGE_RATIO - 1) * abs(origin),
+                        TREND_MIN_REL * level):
         return "worsening"
     d = a - p
     if abs(d) <= max(TREND_Z * se, TREND_MIN_REL * level):
         return "flat"
     # and the windows are apart, not only their medians: most of the last window's points
     # lie on the new side of most of the window before's (what a short eval curve needs)
+    # (on 3-point windows 7 of 9 pairs is chance: the rank-sum z must say so too)
     share = _share_below(last, prev)
-    if d < 0 and share >= TREND_SHARE_APART:
+    nl, np_ = len(last), len(prev)
+    z = (share - 0.5) * nl * np_ / math.sqrt(nl * np_ * (nl + np_ + 1) / 12)
+    if d < 0 and share >= TREND_SHARE_APART and z >= TREND_APART_Z:
         return "improving"
-    if d > 0 and share <= 1 - TREND_SHARE_APART:
+    if d > 0 and share <= 1 - TREND_SHARE_APART and z <= -TREND_APART_Z:
         return "worsening"
     return "flat"
 

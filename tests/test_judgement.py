@@ -304,3 +304,19 @@ def test_the_unstable_verdict_and_loss_spike_events_never_disagree():
             v = diagnose(r)["verdict"]
             assert (v == "unstable") == rule or (rule and v in SPIKE_MAY_LOSE_TO), \
                 (r["name"], v, rule)
+
+
+def test_trend_short_converged_window_is_flat_and_far_above_start_is_worsening():
+    """Trend against the curve's noise and its start: a converged 8-point eval accuracy
+    (the last 3 against the 3 before: 6.5 of 9 pairs agree, chance) is flat; a loss that
+    blew up to 150 and came down to 8 against its first 2.5 is worsening though its last
+    stretch fell (the noise of the blow-up cannot hide 3x its first values)."""
+    acc = [0.62109, 0.8457, 0.91016, 0.94141, 0.97852, 0.97656, 0.97852, 0.97656]
+    assert semantic.trend(buckets([[i + 1, v] for i, v in enumerate(acc)]), "max") == "flat"
+    rising = [0.5, 0.6, 0.7, 0.75, 0.8, 0.84, 0.87, 0.9, 0.93, 0.95]
+    assert semantic.trend(buckets([[i + 1, v] for i, v in enumerate(rising)]), "max") == \
+        "improving"
+    loss = [2.5, 2.4, 2.6] + [150.0 + 40 * (i % 3) for i in range(100)] + \
+        [60.0 - 0.5 * i + 20 * (i % 2) for i in range(100)] + [8.0 + (i % 3) for i in range(30)]
+    assert semantic.trend(buckets([[i + 1, v] for i, v in enumerate(loss)]), "min") == \
+        "worsening"
