@@ -31,6 +31,11 @@ DEFAULTS = {
     "spike_burst": 3.0,           # ... an LR rise beyond this x its earlier max is a burst, no grace
     "spike_start_ratio": 1.1,     # ... or: x above this x the key's first level (its first 3) ...
     "spike_start_jump": 2.5,      # ... and this x its recent median
+    "spike_warmup_points": 64,    # ... in warm-up (from here to spike_min_points) only a jump
+    "spike_warmup_jump": 4.0,     # ... above the first level and this x the recent median
+    "spike_burst_steps": 20,      # ... within this many steps after an LR burst ...
+    "spike_burst_z": 1.5,         # ... this robust z ...
+    "spike_burst_ratio": 1.0,     # ... and this much above the median (1.0 = twice) suffice
     "overfit_min_evals": 6,       # OVERFITTING_SUSPECTED: eval points needed first
     "overfit_patience": 3,        # ... evals in a row worse than the best (smoothed)
     "overfit_worse": 0.2,         # ... by at least this fraction of the best
@@ -107,6 +112,7 @@ class LrTrack:
         self.max = 0.0
         self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
         self.rises = deque(maxlen=64)    # steps at which the learning rate went up
+        self.bursts = deque(maxlen=16)   # ... beyond `burst` x its earlier max: a burst
 
     def points(self, steps, values):
         if not values:
@@ -123,9 +129,11 @@ class LrTrack:
         for s, v in zip(steps, values):
             if not math.isfinite(v):
                 continue
-            if self.last is not None and v > 1.2 * self.last and v > 0 and \
-                    not (self.max > 0 and v > self.burst * self.max):
-                self.rises.append(s)
+            if self.last is not None and v > 1.2 * self.last and v > 0:
+                if self.max > 0 and v > self.burst * self.max:
+                    self.bursts.append(s)
+                else:
+                    self.rises.append(s)
             self.last = v
             self.max = max(self.max, v)
 
@@ -156,6 +164,12 @@ class Spike:
         self.start_jump = float(cfg.get("spike_start_jump", DEFAULTS["spike_start_jump"]))
         self.first = []                     # the key's first 3 finite values
         self.f0 = None
+        self.warm_points = int(cfg.get("spike_warmup_points", DEFAULTS["spike_warmup_points"]))
+        self.warm_jump = float(cfg.get("spike_warmup_jump", DEFAULTS["spike_warmup_jump"]))
+        self.burst_steps = int(cfg.get("spike_burst_steps", DEFAULTS["spike_burst_steps"]))
+        self.burst_z = float(cfg.get("spike_burst_z", DEFAULTS["spike_burst_z"]))
+        self.burst_ratio = float(cfg.get("spike_burst_ratio", DEFAULTS["spike_burst_ratio"]))
+        self.limit_burst = math.inf     # the limit within burst_steps after an LR burst
         # the run's learning rate, shared by every loss key of the run (the engine's)
         self.lr = lr if lr is not None else LrTrack(cfg)
 
@@ -165,9 +179,14 @@ class Spike:
     def _after_lr_rise(self, s):
         return any(0 <= s - r <= self.lr_grace for r in self.lr.rises)
 
+    def _after_burst(self, s):
+        return any(0 <= s - r <= self.burst_steps for r in self.lr.bursts)
+
     def _refresh(self):
-        if self.n < self.min_points or len(self.window) < min(self.min_points, 24):
-            self.limit = math.inf
+        self.limit = self.limit_burst = math.inf
+        warm = self.n < self.min_points
+        if (self.n < self.warm_points if warm else False) or \
+                len(self.window) < min(self.min_points, 24):
             return
         self.log = min(self.window) > 0
         # C-level map/sorted only: this runs on the ingest's points, every REFRESH of them
@@ -181,9 +200,12 @@ class Spike:
         if self.log:
             scale = max(noise, 1e-3)
             self.limit = math.exp(m + max(self.z * scale, math.log1p(self.ratio)))
+            self.limit_burst = math.exp(m + max(self.burst_z * scale,
+                                                math.log1p(self.burst_ratio)))
         else:
             scale = max(noise, 1e-3 * abs(m), 1e-12)
             self.limit = m + max(self.z * scale, self.ratio * abs(m))
+            self.limit_burst = m + max(self.burst_z * scale, self.burst_ratio * abs(m))
         self.med, self.scale = m, scale
         # A jump above where the curve started (and well above its recent level) is a spike
         # whatever the curve's noise: near-zero losses are noisy in log space, and a loss
@@ -191,8 +213,19 @@ class Spike:
         f0 = min(self.first) if len(self.first) == 3 else None
         lvl = math.exp(m) if self.log else m
         self.f0 = f0
-        if f0 is not None and f0 > 0 and lvl > 0:
-            self.limit = min(self.limit, max(self.start_ratio * f0, self.start_jump * lvl))
+        start = (max(self.start_ratio * f0, (self.warm_jump if warm else self.start_jump) * lvl)
+                 if f0 is not None and f0 > 0 and lvl > 0 else math.inf)
+        if warm:
+            # Early training is volatile (Adam CNNs jump 2-6x in their first 100 steps), so
+            # in warm-up only a loss back above its untrained value and 4x its recent level
+            # counts: a corrupted batch, not the optimiser finding its feet.
+            self.limit, self.limit_burst = start, math.inf
+            return
+        self.limit = min(self.limit, start)
+        # Right after a learning-rate burst (beyond spike_burst x the run's earlier max) an
+        # Adam loss rises 2-4x, inside its own noise: the burst itself is the evidence, so a
+        # smaller jump suffices there.
+        self.limit_burst = min(self.limit_burst, self.limit)
 
     def _z(self, v):
         return ((math.log(v) if self.log else v) - self.med) / self.scale
@@ -208,12 +241,19 @@ class Spike:
                 self._refresh()
             take = min(n - i, self.REFRESH - self.n % self.REFRESH)
             chunk = values[i:i + take]
-            if (out is None or every) and _chunk_needs_look(chunk, self.limit):
+            a, b = steps[i], steps[i + take - 1]
+            bursts = self.limit_burst < self.limit and \
+                any(r <= b and r + self.burst_steps >= a for r in self.lr.bursts)
+            if (out is None or every) and _chunk_needs_look(
+                    chunk, self.limit_burst if bursts else self.limit):
                 for j in range(take):
                     v, s = chunk[j], steps[i + j]
-                    if not (math.isfinite(v) and v > self.limit):
+                    if not math.isfinite(v):
                         continue
-                    if self.lr.rises and self._after_lr_rise(s):
+                    after_burst = bursts and v > self.limit_burst and self._after_burst(s)
+                    if not (v > self.limit or after_burst):
+                        continue
+                    if not after_burst and self.lr.rises and self._after_lr_rise(s):
                         continue
                     med = math.exp(self.med) if self.log else self.med
                     z = self._z(v)
@@ -224,6 +264,8 @@ class Spike:
                         + f"its recent median {_fmt(med)} ({z:.0f} robust deviations"
                         + (f"; above its first values, {_fmt(self.f0)}" if self.f0 is not None
                            and v > self.start_ratio * self.f0 else "")
+                        + ("; right after a learning-rate burst" if after_burst
+                           and not v > self.limit else "")
                         + "); look for a bad batch or a too-high learning rate",
                         key=self.key, value=v, median=med, z=round(z, 2),
                         first_level=self.f0,

@@ -72,6 +72,36 @@ def test_lr_restart_is_not_a_spike_but_a_spike_later_is():
     assert [f["step"] for f in feed_spike(values, lr=lr)] == [800]
 
 
+def test_a_loss_rise_right_after_a_learning_rate_burst_is_a_spike():
+    """An LR x30 for 4 steps lifts an Adam loss 2-3x, inside its own per-step noise: after
+    a burst (beyond spike_burst x the run's earlier max rate) a 2x jump suffices; without
+    the logged rate, or after an ordinary restart, the same rise is no spike."""
+    values = smooth_loss(900, seed=7, sigma=0.25)
+    values[:3] = [5.0] * 3                          # the untrained loss: far above the rise
+    lr = [1e-3] * 900
+    for t in range(600, 604):
+        lr[t] = 3e-2
+    for t in range(603, 615):
+        values[t] *= 2.6
+    assert feed_spike(values) == []
+    found = feed_spike(values, lr=lr, batch=50)
+    assert [f["step"] for f in found] and 603 <= found[0]["step"] <= 620
+    assert "learning-rate burst" in found[0]["message"]
+    restart = [1e-3] * 600 + [2.5e-3] * 300       # a restart to 2.5x: no burst
+    assert feed_spike(values, lr=restart) == []
+
+
+def test_warm_up_reports_a_corrupted_batch_but_not_an_early_jump():
+    """In the first spike_min_points only a jump above the first values and
+    spike_warmup_jump x the recent level counts (early Adam CNNs jump 2-6x and recover)."""
+    values = smooth_loss(400, seed=3, sigma=0.05, warm=0)
+    values[100] = values[99] * 3.0                  # an early jump, below its first values
+    assert feed_spike(values) == []
+    values[110] = 20 * values[0]                    # a corrupted batch at step 110
+    assert [f["step"] for f in feed_spike(values)] == [110]
+    assert [f["step"] for f in feed_spike(values, batch=50)] == [110]
+
+
 def overfit_run(rise, eval_key="eval/loss", train_key="train/loss", direction=None):
     o = rules.Overfit(eval_key, train_key, CFG, direction=direction)
     found = []
