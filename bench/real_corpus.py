@@ -470,6 +470,23 @@ def specs():
     return out
 
 
+def fresh_specs(k):
+    """The same generator with new seeds (+1000*k): a fresh part, never seen while tuning.
+    Every 2nd healthy spec and every 3rd problem spec of each label, so at least as many
+    healthy runs as problem runs and about 50 in all."""
+    out, seen = [], {}
+    for s in specs():
+        i = seen.get(s["label"], 0)
+        seen[s["label"]] = i + 1
+        if i % (2 if s["label"] == "healthy" else 3):
+            continue
+        s = dict(s)
+        s["name"] = s["name"].replace(f"-s{s['seed']}", f"-s{s['seed'] + 1000 * k}", 1)
+        s["seed"] += 1000 * k
+        out.append(s)
+    return out
+
+
 def half_of(name, label, names_of_label):
     """'tune' or 'holdout': within a label, runs sorted by a hash of their name alternate."""
     order = sorted(names_of_label, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
@@ -489,8 +506,13 @@ def main():
     ap.add_argument("--only", help="run only specs whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the specs and exit")
     ap.add_argument("--merge", help="add the runs to this corpus file (those not in it yet)")
+    ap.add_argument("--fresh", type=int, metavar="K",
+                    help="a fresh part: every seed + 1000*K, every 2nd healthy spec and every "
+                         "3rd problem spec of each label, all in half 'fresh' (a part nobody "
+                         "tuned on: bench/data/real_runs_fresh.json.gz is K=1)")
     args = ap.parse_args()
-    todo = [s for s in specs() if not args.only or args.only in s["name"]]
+    todo = [s for s in (fresh_specs(args.fresh) if args.fresh else specs())
+            if not args.only or args.only in s["name"]]
     if args.list:
         for s in todo:
             print(s["name"])
@@ -537,7 +559,8 @@ def main():
     for r in runs:
         by_label.setdefault(r["label"], []).append(r["name"])
     for r in runs:
-        r["half"] = half_of(r["name"], r["label"], by_label[r["label"]])
+        r["half"] = ("fresh" if args.fresh else
+                     half_of(r["name"], r["label"], by_label[r["label"]]))
     data = {"schema": SCHEMA, "generator": "bench/real_corpus.py",
             "torch": torch.__version__, "runs": runs, "dropped": dropped,
             "wall_s": round(time.monotonic() - t_all, 1)}
