@@ -16,8 +16,12 @@ and its accuracy, trend contradictions; then every miss and false alarm with the
 
     .venv/bin/python bench/judgement.py                 # the tuning half
     .venv/bin/python bench/judgement.py --holdout       # both halves (report only)
+    .venv/bin/python bench/judgement.py --holdout --fresh   # and the fresh part
 
 The held-out half is scored only with --holdout: thresholds are set on the tuning half.
+The fresh part (bench/data/real_runs_fresh.json.gz: `bench/real_corpus.py --fresh 1`, the
+same generator with new seeds) was made after the held-out half had been looked at and
+scored once, after the last change to the judgements.
 """
 import argparse
 import gzip
@@ -39,6 +43,7 @@ from gpuplane.events import Engine  # noqa: E402
 from gpuplane.metricwire import parse_batch  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "real_runs.json.gz"
+FRESH = ROOT / "bench" / "data" / "real_runs_fresh.json.gz"
 BATCH_STEPS = 50            # an SDK flush: this many steps of points per batch
 
 # Which rule each label should raise; "also" lists rules that may fire on a label without
@@ -277,10 +282,18 @@ def main():
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--holdout", action="store_true",
                     help="also score the held-out half (only once tuning is done)")
+    ap.add_argument("--fresh", action="store_true",
+                    help=f"also score the fresh part ({FRESH.relative_to(ROOT)})")
     ap.add_argument("--quiet", action="store_true", help="the tables only")
     args = ap.parse_args()
     data = load(args.data)
     halves = ["tune"] + (["holdout"] if args.holdout else [])
+    if args.fresh:
+        fresh = load(FRESH)
+        print(f"fresh part: {FRESH.relative_to(ROOT)}: {len(fresh['runs'])} runs "
+              f"({len(fresh.get('dropped', []))} dropped by their label checks when made)")
+        data = dict(data, runs=data["runs"] + fresh["runs"])
+        halves.append("fresh")
     todo = [r for r in data["runs"] if r["half"] in halves]
     t = time.perf_counter()
     results = judge_all(todo)
