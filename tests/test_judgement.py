@@ -1,7 +1,8 @@
 """Trend, verdicts and rules on REAL training curves: runs of bench/data/real_runs.json.gz
 (small torch models trained on CPU by bench/real_corpus.py, labelled by construction and
 checked against their values). No torch here: the curves are read from the data file.
-Only runs of the tuning half are used; the held-out half is for bench/judgement.py."""
+Only runs of the tuning half are used, except by the agreement test (a property, every part);
+the held-out half and the fresh part are for bench/judgement.py."""
 import gzip
 import json
 import math
