@@ -21,7 +21,10 @@ and its accuracy, trend contradictions; then every miss and false alarm with the
 The held-out half is scored only with --holdout: thresholds are set on the tuning half.
 The fresh part (bench/data/real_runs_fresh.json.gz: `bench/real_corpus.py --fresh 1`, the
 same generator with new seeds) was made after the held-out half had been looked at and
-scored once, after the last change to the judgements.
+scored once, after the last change to the judgements. It has been looked at since (its one
+false alarm drove the restart allowance); the second fresh part
+(bench/data/real_runs_fresh2.json.gz: `--fresh 2`, seeds + 2000) was made then and scored
+once, after that change. Each part is its own column.
 """
 import argparse
 import gzip
@@ -44,6 +47,7 @@ from gpuplane.metricwire import parse_batch  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "real_runs.json.gz"
 FRESH = ROOT / "bench" / "data" / "real_runs_fresh.json.gz"
+FRESH2 = ROOT / "bench" / "data" / "real_runs_fresh2.json.gz"
 BATCH_STEPS = 50            # an SDK flush: this many steps of points per batch
 
 # Which rule each label should raise; "also" lists rules that may fire on a label without
@@ -283,17 +287,21 @@ def main():
     ap.add_argument("--holdout", action="store_true",
                     help="also score the held-out half (only once tuning is done)")
     ap.add_argument("--fresh", action="store_true",
-                    help=f"also score the fresh part ({FRESH.relative_to(ROOT)})")
+                    help=f"also score the fresh parts ({FRESH.relative_to(ROOT)}, "
+                         f"{FRESH2.relative_to(ROOT)})")
     ap.add_argument("--quiet", action="store_true", help="the tables only")
     args = ap.parse_args()
     data = load(args.data)
     halves = ["tune"] + (["holdout"] if args.holdout else [])
     if args.fresh:
-        fresh = load(FRESH)
-        print(f"fresh part: {FRESH.relative_to(ROOT)}: {len(fresh['runs'])} runs "
-              f"({len(fresh.get('dropped', []))} dropped by their label checks when made)")
-        data = dict(data, runs=data["runs"] + fresh["runs"])
-        halves.append("fresh")
+        for half, path in (("fresh", FRESH), ("fresh2", FRESH2)):
+            fresh = load(path)
+            print(f"{half} part: {path.relative_to(ROOT)}: {len(fresh['runs'])} runs "
+                  f"({len(fresh.get('dropped', []))} dropped by their label checks when "
+                  "made)")
+            runs = [dict(r, half=half) for r in fresh["runs"]]    # each part its own column
+            data = dict(data, runs=data["runs"] + runs)
+            halves.append(half)
     todo = [r for r in data["runs"] if r["half"] in halves]
     t = time.perf_counter()
     results = judge_all(todo)

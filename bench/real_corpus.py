@@ -509,7 +509,8 @@ def main():
     ap.add_argument("--fresh", type=int, metavar="K",
                     help="a fresh part: every seed + 1000*K, every 2nd healthy spec and every "
                          "3rd problem spec of each label, all in half 'fresh' (a part nobody "
-                         "tuned on: bench/data/real_runs_fresh.json.gz is K=1)")
+                         "tuned on: bench/data/real_runs_fresh.json.gz is K=1, "
+                         "real_runs_fresh2.json.gz K=2)")
     args = ap.parse_args()
     todo = [s for s in (fresh_specs(args.fresh) if args.fresh else specs())
             if not args.only or args.only in s["name"]]

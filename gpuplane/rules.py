@@ -24,7 +24,10 @@ DEFAULTS = {
     "spike_min_points": 128,      # ... and how many it needs first (warm-up is skipped)
     "spike_z": 8.0,               # ... robust z: (x - median) / (1.4826 * MAD)
     "spike_min_ratio": 0.6,       # ... and x at least this much above the median (0.6 = +60%)
-    "spike_lr_grace": 50,         # ... no spike this many steps after the logged LR rose
+    "spike_lr_grace": 50,         # ... no spike this many steps after the logged LR rose;
+    "spike_lr_grace_cycles": 1.0, # ... then, until it decays back to its level before the rise
+                                  #     (at most this x the steps since the previous rise), the
+                                  #     noise test alone (not "above its first values")
     "diverge_window": 16,         # LOSS_DIVERGED: the recent level is the median of this many
     "diverge_ratio": 1.5,         # ... and it is this many times the first level (3 points)
     "diverge_min_points": 32,     # ... once this many finite points are in
@@ -111,14 +114,29 @@ class LrTrack:
         self.last = None
         self.max = 0.0
         self.burst = float(cfg.get("spike_burst", DEFAULTS["spike_burst"]))
+        self.cycles = float(cfg.get("spike_lr_grace_cycles", DEFAULTS["spike_lr_grace_cycles"]))
         self.rises = deque(maxlen=64)    # steps at which the learning rate went up
         self.bursts = deque(maxlen=16)   # ... beyond `burst` x its earlier max: a burst
+        # A restart's allowance: [rise step, last step of it, rate before the rise]. It
+        # lasts until the rate has decayed back to where it was before the rise (a warm
+        # restart's cosine: the loss rises and comes down with it), at most `cycles` x the
+        # steps since the previous rise (or the first logged rate); the rule adds its own
+        # fixed `spike_lr_grace` before it. Within it, Spike judges by the noise test alone.
+        self.graces = deque(maxlen=64)
+        self.open = []                   # graces whose rate has not decayed back yet
+        self.first_step = None
 
     def points(self, steps, values):
         if not values:
             return
-        # a decaying or constant rate (nearly always): one C-level pass, no loop
+        if self.first_step is None:
+            self.first_step = steps[0]
         first_ok = self.last is None or not values[0] > 1.2 * self.last
+        if self.open:
+            self.open = [g for g in self.open if g[1] > steps[0]]   # past their cap
+        if self.open and not min(values) > max(g[2] for g in self.open):
+            first_ok = False                 # an allowance ends in this batch: step by step
+        # a decaying or constant rate (nearly always): one C-level pass, no loop
         if first_ok and not any(map(operator.gt, values[1:],
                                     map((1.2).__mul__, values[:-1]))):
             v = values[-1]
@@ -129,10 +147,18 @@ class LrTrack:
         for s, v in zip(steps, values):
             if not math.isfinite(v):
                 continue
+            if self.open and any(v <= g[2] for g in self.open):
+                for g in [g for g in self.open if v <= g[2]]:
+                    g[1] = min(g[1], s)        # decayed back: the allowance ends here
+                    self.open.remove(g)
             if self.last is not None and v > 1.2 * self.last and v > 0:
                 if self.max > 0 and v > self.burst * self.max:
                     self.bursts.append(s)
                 else:
+                    since = s - (self.rises[-1] if self.rises else self.first_step)
+                    g = [s, s + self.cycles * since, self.last]
+                    self.graces.append(g)
+                    self.open = [x for x in self.open if x[1] > s] + [g]
                     self.rises.append(s)
             self.last = v
             self.max = max(self.max, v)
@@ -144,7 +170,11 @@ class Spike:
     and a minimum ratio over the level, both in log space while the window is positive
     (losses are noisy in proportion to their size). Not fooled by warm-up (the first
     `spike_min_points` are only learnt from) nor by a learning-rate restart (no spike
-    within `spike_lr_grace` steps after the run's logged learning rate went up).
+    within `spike_lr_grace` steps after the run's logged learning rate went up; after that,
+    until the rate has decayed back to its level before the rise, for at most
+    `spike_lr_grace_cycles` x the steps since the previous rise, a loss back above its
+    first values is not enough, only the noise test counts: a warm restart's loss rises
+    towards its untrained value and comes back down as its schedule decays).
     Statistics are refreshed every REFRESH points pushed, counted over the whole series, so
     the verdict never depends on how the points were batched."""
     REFRESH = 64
@@ -170,6 +200,7 @@ class Spike:
         self.burst_z = float(cfg.get("spike_burst_z", DEFAULTS["spike_burst_z"]))
         self.burst_ratio = float(cfg.get("spike_burst_ratio", DEFAULTS["spike_burst_ratio"]))
         self.limit_burst = math.inf     # the limit within burst_steps after an LR burst
+        self.limit_z = math.inf         # the noise test alone (within a restart's allowance)
         # the run's learning rate, shared by every loss key of the run (the engine's)
         self.lr = lr if lr is not None else LrTrack(cfg)
 
@@ -179,11 +210,15 @@ class Spike:
     def _after_lr_rise(self, s):
         return any(0 <= s - r <= self.lr_grace for r in self.lr.rises)
 
+    def _in_restart(self, s):
+        # a restart's own allowance: until the rate decayed back (LrTrack.graces)
+        return any(g[0] <= s < g[1] for g in self.lr.graces)
+
     def _after_burst(self, s):
         return any(0 <= s - r <= self.burst_steps for r in self.lr.bursts)
 
     def _refresh(self):
-        self.limit = self.limit_burst = math.inf
+        self.limit = self.limit_burst = self.limit_z = math.inf
         warm = self.n < self.min_points
         if (self.n < self.warm_points if warm else False) or \
                 len(self.window) < min(self.min_points, 24):
@@ -219,8 +254,12 @@ class Spike:
             # Early training is volatile (Adam CNNs jump 2-6x in their first 100 steps), so
             # in warm-up only a loss back above its untrained value and 4x its recent level
             # counts: a corrupted batch, not the optimiser finding its feet.
-            self.limit, self.limit_burst = start, math.inf
+            self.limit = self.limit_z = start
+            self.limit_burst = math.inf
             return
+        # after a warm restart, until the rate has decayed back, the loss is back near its
+        # untrained value by design: there only the noise test (limit_z) counts
+        self.limit_z = self.limit
         self.limit = min(self.limit, start)
         # Right after a learning-rate burst (beyond spike_burst x the run's earlier max) an
         # Adam loss rises 2-4x, inside its own noise: the burst itself is the evidence, so a
@@ -253,7 +292,9 @@ class Spike:
                     after_burst = bursts and v > self.limit_burst and self._after_burst(s)
                     if not (v > self.limit or after_burst):
                         continue
-                    if not after_burst and self.lr.rises and self._after_lr_rise(s):
+                    if not after_burst and self.lr.rises and (
+                            self._after_lr_rise(s)
+                            or (not v > self.limit_z and self._in_restart(s))):
                         continue
                     med = math.exp(self.med) if self.log else self.med
                     z = self._z(v)

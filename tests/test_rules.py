@@ -1,8 +1,14 @@
 """The event rules (gpuplane/rules.py) as pure functions: what fires, what must not."""
+import gzip
+import json
 import math
+import pathlib
 import random
 
 from gpuplane import rules, vocab
+
+FRESH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "data" / \
+    "real_runs_fresh.json.gz"
 
 CFG = rules.DEFAULTS
 
@@ -89,6 +95,32 @@ def test_a_loss_rise_right_after_a_learning_rate_burst_is_a_spike():
     assert "learning-rate burst" in found[0]["message"]
     restart = [1e-3] * 600 + [2.5e-3] * 300       # a restart to 2.5x: no burst
     assert feed_spike(values, lr=restart) == []
+
+
+def test_a_warm_restart_whose_loss_rises_and_comes_back_down_is_not_a_spike():
+    """A real SGDR run (SGD, lr 0.1, batch 16; bench/data/real_runs_fresh.json.gz, healthy:
+    2.08 -> 0.70): after its restart at step 366 the loss stays near its untrained value for
+    over 100 steps while the rate decays. The restart's allowance lasts until the rate is
+    back at its level before the restart (at most one previous cycle): there the loss above
+    its first values is not a spike (with the fixed 50 steps alone it was, at step 483). A
+    corrupted batch in the same stretch still is, and the verdict does not depend on how
+    the points are batched."""
+    with gzip.open(FRESH, "rt") as f:
+        run = next(r for r in json.load(f)["runs"]
+                   if r["name"] == "healthy-mlp-sgd-sgdr-lr0.1-b16-s1003")
+    loss = [vocab.decode(v) for v in run["train_loss"]]
+    pts = [[i + 1, v] for i, v in enumerate(loss)]
+    lr = [[i + 1, v] for i, v in enumerate(run["lr"])]
+    assert rules.spikes("train/loss", pts, lr) == []
+    fixed = dict(CFG, spike_lr_grace_cycles=0)         # the fixed 50-step allowance only
+    assert 483 in [s["step"] for s in rules.spikes("train/loss", pts, lr, cfg=fixed)]
+    bad = [list(p) for p in pts]
+    bad[599][1] = 30 * loss[0]                          # a corrupted batch at step 600
+    assert [s["step"] for s in rules.spikes("train/loss", bad, lr)] == [600]
+    lrv = [v for _, v in lr]
+    for batch in (1, 50):
+        assert [f["step"] for f in feed_spike([v for _, v in bad], lr=lrv, batch=batch)
+                ] == [599]                                 # feed_spike counts from 0
 
 
 def test_warm_up_reports_a_corrupted_batch_but_not_an_early_jump():
