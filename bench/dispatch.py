@@ -33,20 +33,12 @@ import time
 
 import requests
 
+import harness  # noqa: E402
 from harness import ROOT, free_port, start_server, stop_server
 
 
 def wait(cond, timeout=60, what="condition", every=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-            if value:
-                return value
-        except requests.RequestException:
-            pass
-        time.sleep(every)
-    raise SystemExit(f"timed out waiting for {what}")
+    return harness.wait(cond, timeout, what, every)
 
 
 def start_platform(home, slots):

@@ -56,3 +56,18 @@ def stop_server(proc):
     except (ProcessLookupError, subprocess.TimeoutExpired):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(5)
+
+
+def wait(cond, timeout=60, what="condition", every=0.05):
+    """cond()'s first truthy value, polled every `every` s (a refused request counts as
+    not yet); exits the benchmark with a sentence past `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except requests.RequestException:
+            pass
+        time.sleep(every)
+    raise SystemExit(f"timed out waiting for {what}")

@@ -33,6 +33,7 @@ import time
 
 import requests
 
+import harness  # noqa: E402
 from harness import ROOT, free_port, start_server, stop_server
 
 sys.path.insert(0, str(ROOT))
@@ -43,16 +44,7 @@ from cluster import SlurmCluster, missing  # noqa: E402
 
 
 def wait(cond, timeout=600, what="condition", every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-            if value:
-                return value
-        except requests.RequestException:
-            pass
-        time.sleep(every)
-    raise SystemExit(f"timed out waiting for {what}")
+    return harness.wait(cond, timeout, what, every)
 
 
 def pct(values, p):

@@ -30,6 +30,7 @@ import time
 import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench import harness  # noqa: E402
 from bench.harness import ROOT, free_port, start_server, stop_server  # noqa: E402
 
 RULES = {
@@ -39,17 +40,8 @@ RULES = {
 }
 
 
-def wait(cond, timeout=900, every=0.2, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = cond()
-            if value:
-                return value
-        except requests.RequestException:
-            pass
-        time.sleep(every)
-    raise SystemExit(f"timed out waiting for {what}")
+def wait(cond, timeout=900, what="condition", every=0.2):
+    return harness.wait(cond, timeout, what, every)
 
 
 def run_arm(s, url, work, arm, args, tag):

@@ -13,7 +13,7 @@ from .. import lifecycle, retention, states
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
-from .validate import body, field, query_ids, query_int
+from .validate import body, field, query_ids, query_int, query_state
 from . import current_db, current_lifecycle
 
 bp = Blueprint("jobs", __name__, url_prefix="/api/v1")
@@ -169,11 +169,7 @@ def submit():
 @bp.get("/jobs")
 @requires("read")
 def list_jobs():
-    state = request.args.get("state")
-    if state is not None:
-        state = state.upper()
-        if state not in STATES:
-            raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
+    state = query_state(STATES)
     limit = query_int("limit", 100, min=1, max=10000)
     ids = query_ids("ids")
     return {"jobs": [job_view(j, with_env=False)

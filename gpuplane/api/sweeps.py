@@ -8,14 +8,14 @@
   POST /sweeps/<id>/retry-failed    run the failed or lost trials again, same parameters
   (the recommendation across a sweep: GET /checkpoints:recommend?sweep=<id>)
 """
-from flask import Blueprint, current_app, request
+from flask import Blueprint, current_app
 
 from .. import metricwire, series as planner, states, sweeps
 from ..auth import requires
 from ..db import jobs, metrics, sweeps as sweeps_db
 from ..errors import BadRequest, Conflict, NotFound
 from .jobs import parse_job_spec
-from .validate import body, query_int
+from .validate import body, query_int, query_state
 from . import current_db, current_lifecycle
 
 bp = Blueprint("sweeps", __name__, url_prefix="/api/v1")
@@ -86,11 +86,7 @@ def create():
 @bp.get("/sweeps")
 @requires("read")
 def list_sweeps():
-    state = request.args.get("state")
-    if state is not None:
-        state = state.upper()
-        if state not in STATES:
-            raise BadRequest(f"unknown state {state!r}; use one of {', '.join(STATES)}")
+    state = query_state(STATES)
     limit = query_int("limit", 100, min=1, max=10000)
     return {"sweeps": [summary(s) for s in sweeps_db.list_sweeps(current_db(), state, limit)]}
 

@@ -90,6 +90,17 @@ def opt_number(data, name, kind):
     return kind(v)
 
 
+def query_state(states, name="state"):
+    """An optional state filter from the query string, upper-cased, one of `states`."""
+    state = request.args.get(name)
+    if state is None:
+        return None
+    state = state.upper()
+    if state not in states:
+        raise BadRequest(f"unknown {name} {state!r}; use one of {', '.join(states)}")
+    return state
+
+
 def query_int(name, default, *, min=None, max=None):
     raw = request.args.get(name)
     if raw is None or raw == "":
