@@ -190,9 +190,18 @@ class Client:
         if params:
             params = {k: v for k, v in params.items() if v is not None}
         try:
-            resp = self._session.request(
-                method, url, params=params or None, json=body,
-                timeout=timeout or self.timeout)
+            try:
+                resp = self._session.request(
+                    method, url, params=params or None, json=body,
+                    timeout=timeout or self.timeout)
+            except requests.exceptions.ConnectionError as e:
+                # The server closes a connection idle for its keepalive (5 s); a GET sent on
+                # it as it closes is reset. A GET is safe to send again, on a new connection.
+                if method != "GET" or isinstance(e, requests.exceptions.Timeout):
+                    raise
+                resp = self._session.request(
+                    method, url, params=params or None, json=body,
+                    timeout=timeout or self.timeout)
         except requests.exceptions.Timeout:
             raise ServerUnreachable(self.server, "timed out") from None
         except requests.exceptions.ConnectionError as e:

@@ -97,7 +97,14 @@ class Api:
 
     def request(self, method, path, expect=None, **kw):
         kw.setdefault("timeout", 30)
-        r = self.session.request(method, self.url + path, **kw)
+        try:
+            r = self.session.request(method, self.url + path, **kw)
+        except requests.ConnectionError as e:
+            # A kept-alive connection the server closed (its 5 s keepalive) as this GET
+            # went out on it is reset: a GET goes again on a new one, as gpuplane's client.
+            if method != "GET" or isinstance(e, requests.Timeout):
+                raise
+            r = self.session.request(method, self.url + path, **kw)
         if expect is not None:
             assert r.status_code == expect, f"{method} {path}: {r.status_code} {r.text[:500]}"
         self.last = r
