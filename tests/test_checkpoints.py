@@ -228,6 +228,11 @@ def test_evaluation_needs_a_command_and_inherits_the_training_job(api, app, db):
     started = app.config["LIFECYCLE"].assign(ej["id"], "n1", [0, 1])
     cmd = app.config["GATEWAY"].start_message(started, "token")
     assert cmd["require_paths"] == ["/w/ckpt/e1.pt"]
+    # a client reads which run saved the checkpoint from the job itself, single or listed
+    assert api.get(f"/jobs/{ej['id']}")["checkpoint_run_id"] == start["run_id"]
+    listed = {j["id"]: j for j in api.get("/jobs")["jobs"]}
+    assert listed[ej["id"]]["checkpoint_run_id"] == start["run_id"]
+    assert listed[job["id"]]["checkpoint_run_id"] is None
     # a run no job started has no working dir and no eval command to inherit
     run = new_run(api)
     c2 = ckpt(api, run, "/w/x.pt")

@@ -107,7 +107,8 @@ def test_a_sweep_to_a_recommendation_in_few_calls(live_server, agent, tmp_path):
         assert {j["state"] for j in w["jobs"]} == {"SUCCEEDED"}, w
         assert {j["kind"] for j in w["jobs"]} == {"EVALUATE"}
         assert {"project": "loop", "experiment": "lr"} in suggested(w, "get_best_checkpoint")
-        assert suggested(w, "compare_checkpoints") == [{"run_ids": sorted(best_two)}]
+        assert suggested(w, "compare_checkpoints") == [{"run_ids": sorted(best_two)}], \
+            ([(ck["id"], ck["run_id"]) for ck in cks], w["jobs"])
 
         rec = await call("get_best_checkpoint", project="loop", experiment="lr")
         assert rec["key"] == "test/acc" and rec["source"] == "evaluation", rec

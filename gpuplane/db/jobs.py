@@ -36,8 +36,14 @@ def to_dict(row):
 
 # -- reading ----------------------------------------------------------------------------
 
+# A job as it is read: its row, and for an EVALUATE job `checkpoint_run_id`, the run that
+# saved the checkpoint it scores (so a client never asks for the checkpoint to know it).
+SELECT = ("SELECT jobs.*, (SELECT run_id FROM checkpoints WHERE checkpoints.id = "
+          "jobs.parent_checkpoint_id) AS checkpoint_run_id FROM jobs")
+
+
 def get(db, job_id):
-    return to_dict(db.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,)))
+    return to_dict(db.query_one(SELECT + " WHERE id = ?", (job_id,)))
 
 
 def fetch(conn, job_id):
@@ -54,7 +60,7 @@ def list_jobs(db, state=None, limit=100, ids=None):
     if ids is not None:
         where.append(f"id IN ({','.join('?' * len(ids))})")
         params.extend(ids)
-    sql = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
+    sql = SELECT + (" WHERE " + " AND ".join(where) if where else "")
     rows = db.query(sql + " ORDER BY id DESC LIMIT ?", (*params, limit))
     return [to_dict(r) for r in rows]
 
