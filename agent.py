@@ -364,10 +364,10 @@ def now_ms():
     return int(time.time() * 1000)
 
 
-def write_json_atomic(path, obj, private=True):
-    """tmp file, fsync, rename: the shim's _shim_write (the shim needs it too). Every file
-    under the agent's home is private to its user."""
-    _shim_write(path, json.dumps(obj), 0o600)
+def write_json_atomic(path, obj, private=True, sync=True):
+    """tmp file, fsync (unless `sync` is False), rename: the shim's _shim_write (the shim
+    needs it too). Every file under the agent's home is private to its user."""
+    _shim_write(path, json.dumps(obj), 0o600, sync)
 
 
 def _private_opener(path, flags):
@@ -487,8 +487,10 @@ class Worker:
 # outbox: one ordered, spooled, per-node sequence of records
 # ---------------------------------------------------------------------------------------
 #
-# Records are appended (flushed, fsynced) to agent/spool/outbox.jsonl before they can be
-# sent. A record may carry a private `_att` field, {"key": "<job>/<attempt>", ...}, with the
+# Records are appended (flushed) to agent/spool/outbox.jsonl, and fsynced before they can
+# be sent: the sender fsyncs once for every record appended since its last batch (a group
+# commit), so no thread that reports waits on the disk, and the server never holds a
+# record that a power cut could take from the spool. A record may carry a private `_att` field, {"key": "<job>/<attempt>", ...}, with the
 # attempt's tail state after that record (log offset, line_no, TB offsets, reported flags);
 # it is written last in the line and cut off for the wire. Because it is written in the
 # same line as the data, the tail position and the data it produced can never disagree
@@ -528,6 +530,8 @@ class Outbox:
         self._spool = None
         self._reader = None
         self._dropped_lines = 0     # acked lines still in the spool file
+        self._synced = 0            # bytes of the spool file known to be on disk
+        self._file_no = 0           # which spool file that is (a rewrite makes another)
         self.last_job_seq = 0       # seq of the newest `job` record
         self.listeners = []         # called (outside the lock) after each append
         self.ack_listeners = []     # called (outside the lock) after an ack moved `acked`
@@ -624,7 +628,7 @@ class Outbox:
     # -- writing -------------------------------------------------------------------------
 
     def append(self, kind, fields, att=None):
-        """Spool one record (fsynced) and return its seq."""
+        """Spool one record (flushed; sync() makes it durable) and return its seq."""
         with self.lock:
             rec = {"seq": self.next_seq, "kind": kind, "ts": fields.pop("ts", now_ms())}
             rec.update(fields)
@@ -633,7 +637,6 @@ class Outbox:
             try:
                 self._spool.write(line)
                 self._spool.flush()
-                os.fsync(self._spool.fileno())
             except OSError:
                 # e.g. disk full: never leave half a line for the next record to glue onto
                 self._spool.truncate(where)
@@ -666,12 +669,32 @@ class Outbox:
     def last_seq(self):
         return self.next_seq - 1
 
+    def sync(self):
+        """fsync what was appended since the last sync, outside the lock: one fsync for
+        every record appended meanwhile, and appends go on while it runs."""
+        with self.lock:
+            end = self._spool.tell()
+            if end <= self._synced:
+                return
+            fd, file_no = os.dup(self._spool.fileno()), self._file_no
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self.lock:
+            if self._file_no == file_no:
+                self._synced = max(self._synced, end)
+
     def pending_after(self, seq, max_records=BATCH_MAX_RECORDS, max_bytes=BATCH_MAX_BYTES):
-        """Up to one batch of (seq, wire json) with seq > `seq`, in order."""
+        """Up to one batch of (seq, wire json) with seq > `seq`, in order: only records
+        on disk (it syncs first), so nothing is sent that a power cut could take back."""
+        self.sync()
         with self.lock:
             start = max(0, seq - self.acked)      # pending is contiguous from acked + 1
             end, size = start, 0
             while end < len(self._offs):
+                if self._offs[end] + self._lens[end] > self._synced:
+                    break                         # appended after the sync: next batch
                 n = self._cuts[end] + 2
                 if end > start and (end - start >= max_records or size + n > max_bytes):
                     break
@@ -716,8 +739,12 @@ class Outbox:
             self.acked = seq
             # Rewriting costs the pending bytes: do it when the acked head of the file is
             # at least as big (amortised), so the file stays under twice what is pending.
+            # Emptied, it costs a state.json (an fsync, with the lock held): once enough
+            # acked lines are there, not after every ack (loading skips acked lines).
             if not self._offs:
-                self._empty()
+                if (self._dropped_lines >= self.compact_min
+                        or self._spool.tell() >= COMPACT_BYTES):
+                    self._empty()
             else:
                 head = self._offs[0]
                 tail = self._spool.tell() - head
@@ -749,6 +776,7 @@ class Outbox:
         self.save_state()
         self._spool.truncate(0)
         self._spool.seek(0, os.SEEK_END)
+        self._synced, self._file_no = 0, self._file_no + 1
         self._reader.close()        # its buffer may hold the old bytes
         self._reader = open(self.spool_path, "rb")
         self._dropped_lines = 0
@@ -800,6 +828,7 @@ class Outbox:
         self._dropped_lines = 0
         self._spool = open(self.spool_path, "ab", opener=_private_opener)
         self._reader = open(self.spool_path, "rb")
+        self._synced, self._file_no = self._spool.tell(), self._file_no + 1   # fsynced above
         if renumber:
             self.save_state()
 
@@ -1720,13 +1749,9 @@ def slurm_end(info, cancel):
 
 def _write_quick(path, obj):
     """An atomic write without fsync, for a Slurm attempt's slurm.json, pid and exit:
-    what a crash may lose there, Slurm tells again (squeue, sacct, the job's name) when
-    the agent re-adopts the attempt, and an fsync costs ~10 ms on the runner thread per
-    file on this kind of VM."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", opener=_private_opener) as f:
-        f.write(json.dumps(obj))
-    os.replace(tmp, path)
+    what a power cut may lose there, Slurm tells again (squeue, sacct, the job's name) when
+    the agent re-adopts the attempt."""
+    write_json_atomic(path, obj, sync=False)
 
 
 class SlurmLauncher:
@@ -2419,7 +2444,12 @@ class Reporter:
         rec = self.job_record(att, "EXITED", exit_info, kind, message)
         self.outbox.append("job", dict(rec), att={"key": att.key, "final": True,
                                                   "record": rec})
-        write_json_atomic(att.file("reported"), rec)
+        # Not fsynced: the EXITED record is what counts. When a power cut takes the marker
+        # and leaves the record, adopt() writes the marker again from the record's `final`
+        # state; when it leaves the marker and takes the record (not yet sent: records go
+        # out once fsynced), sync lists the attempt as ended and the server ends it LOST,
+        # to be retried.
+        write_json_atomic(att.file("reported"), rec, sync=False)
         # the marker now says how it ended (adopt reads it): state.json need not carry this
         # attempt, so its size stays that of the attempts still running
         self.outbox.forget(att.key)
@@ -2873,12 +2903,17 @@ class Runner(Worker):
 # there is one copy of them, linted and tested like the rest. The shim starts with an
 # environment of its own (shim_environment), so a job cannot read the agent's through
 # /proc/PID/environ; the job's environment and command come with its exec record.
-def _shim_write(path, text, mode=0o600):
+def _shim_write(path, text, mode=0o600, sync=True):
+    # Atomic: a reader sees the old file or the new one. `sync`: fsynced before the rename,
+    # so it survives a power cut too (an agent or shim that crashes loses nothing written:
+    # the page cache stays). An fsync costs ~10 ms on a loaded VM; files whose loss in a
+    # power cut changes nothing (see their callers) are written without one.
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.write(fd, text.encode("utf-8"))
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -2923,8 +2958,8 @@ def scrub_start_record(path):
         start["env"] = {k: "<redacted>" for k in start["env"]}
     if isinstance(spec.get("exec"), dict):
         spec["exec"].pop("env", None)
-    try:
-        write_json_atomic(path, spec, private=True)
+    try:     # not fsynced: a power cut may bring the secrets back, not lose the record
+        write_json_atomic(path, spec, private=True, sync=False)
     except OSError as e:
         log.warning("cannot rewrite %s without its secrets: %s", path, e)
 
@@ -2971,10 +3006,13 @@ def _shim_start(path, packed, shim_pid):
             os.chdir("/")           # holds no job's directory
     finally:
         os.close(log_fd)
-    try:        # the job runs whatever happens here: it is waited for, and `exit` written
+    # The job runs whatever happens here: it is waited for, and `exit` written. `pid` is not
+    # fsynced: after a power cut no process of it is left to find, and the agent (which
+    # waits for this reply) never waits on the disk to start a job.
+    try:
         _shim_write(os.path.join(path, "pid"), json.dumps({
             "pid": pid, "create_time": _shim_ctime(pid), "shim_pid": shim_pid,
-            "shim_create_time": _shim_ctime(shim_pid)}))
+            "shim_create_time": _shim_ctime(shim_pid)}), 0o600, False)
     except OSError as e:
         sys.stderr.write(f"gpuplane shim: {path}/pid not written: {e}\n")
     return pid
@@ -2988,8 +3026,12 @@ def exit_record(**fields):
 
 
 def write_exit(path, **fields):
-    """Write the attempt dir's `exit` file (exit_record(**fields)), atomically."""
-    _shim_write(os.path.join(path, "exit"), json.dumps(exit_record(**fields)))
+    """Write the attempt dir's `exit` file (exit_record(**fields)), atomically. Not
+    fsynced: the EXITED record (fsynced in the outbox before it is sent, milliseconds
+    later) is what keeps the exit status; a power cut before that ends the attempt LOST,
+    as one a moment earlier while it ran would, and the slot's turnover never waits on
+    the disk."""
+    _shim_write(os.path.join(path, "exit"), json.dumps(exit_record(**fields)), 0o600, False)
 
 
 def _shim_status(status):

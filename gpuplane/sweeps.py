@@ -318,15 +318,19 @@ class Sweeper(Worker):
         self.db = db
         self.lifecycle = lifecycle
         self._curves = {}        # (run_id, key) -> [last step read, [(step, value)]]
+        self._any_running = True  # until the first pass has looked
 
     def offer_lifecycle(self, event):
-        """lifecycle.on_event listener: a trial's job changed."""
-        if event.get("job_id") is not None and event["type"] in (
+        """lifecycle.on_event listener: a job changed, maybe a trial's (with no sweep
+        running, none is: the API wakes this thread when a sweep starts)."""
+        if self._any_running and event.get("job_id") is not None and event["type"] in (
                 "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED", "STARTED"):
             self.wake()
 
     def tick(self):
-        for sweep in db_sweeps.active(self.db):
+        running = db_sweeps.active(self.db)
+        self._any_running = bool(running)
+        for sweep in running:
             try:
                 self.step(sweep)
             except Exception:
