@@ -56,35 +56,35 @@ def write_event_file(path, n_scalars, per_event=100):
     path.write_bytes(b"".join(out))
 
 
-def test_tensorboard_backlog_at_exit_never_delays_a_heartbeat(tmp_path, fake_server,
-                                                             agent_proc):
+def test_tensorboard_backlog_at_exit_never_holds_up_the_heartbeats(tmp_path, fake_server,
+                                                                   agent_proc):
     """A job leaves 500 000 scalars behind as it exits; while the agent parses and spools
-    them, its heartbeats keep their interval (gaps counted in intervals as the server saw
-    them: none as long as two, which would be a missed beat) and it never reconnects."""
+    them, its heartbeat thread goes on beating and it never reconnects. Told on the agent's
+    own clock (each record and heartbeat carries its `ts`), so a loaded machine slows both
+    alike: over the span in which the backlog's records were spooled, at least half the
+    heartbeats due in it were sent (a parse that held them up would leave none)."""
     src = tmp_path / "prebuilt.tfevents"
     write_event_file(src, 500_000)
     tb = tmp_path / "tb"
     tb.mkdir()
+    fake_server.heartbeat_s = 0.1        # the interval the agent is told at its hello
     agent_proc()
-    hb = fake_server.heartbeat_s
+    hb_ms = fake_server.heartbeat_s * 1000
     copy = ("import shutil, sys; shutil.copyfile(sys.argv[1], "
             "sys.argv[2] + '/events.out.tfevents.1.host.1.0')")
     fake_server.send(start_msg(1, [PY, "-c", copy, str(src), str(tb)], tmp_path,
                                tb_dir=str(tb)))
-    fake_server.wait_for(lambda: [r for r in fake_server.records("job")
-                                  if r["state"] == "RUNNING"], what="RUNNING")
-    with fake_server.lock:
-        began = len(fake_server.heartbeat_times)
     fake_server.wait_for(lambda: exited(fake_server, 1), timeout=120, what="EXITED")
-    fake_server.wait_for(lambda: len(fake_server.heartbeat_times) >= began + 2,
-                         what="two more heartbeats")
-    points = sum(r["n_points"] for r in fake_server.records("metrics")
-                 if r["source"] == "tb")
-    assert points == 500_000
+    records = [r for r in fake_server.records("metrics") if r["source"] == "tb"]
+    assert sum(r["n_points"] for r in records) == 500_000
+    first, last = min(r["ts"] for r in records), max(r["ts"] for r in records)
+    assert last - first >= 4 * hb_ms, (
+        f"the backlog was spooled in {last - first} ms, under four heartbeats: too short "
+        "to tell; make the event file bigger")
     with fake_server.lock:
-        times = fake_server.heartbeat_times[max(0, began - 1):]
-    gaps = [(b - a) / hb for a, b in zip(times, times[1:])]
-    assert gaps and max(gaps) < 2, f"heartbeat gaps in intervals: {gaps}"
+        during = [t for t in fake_server.heartbeat_sent if t and first < t < last]
+    due = (last - first) / hb_ms
+    assert len(during) >= due // 2, (len(during), due)
     assert len(fake_server.hellos) == 1 and not fake_server.closes
 
 
