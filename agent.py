@@ -739,12 +739,8 @@ class Outbox:
             self.acked = seq
             # Rewriting costs the pending bytes: do it when the acked head of the file is
             # at least as big (amortised), so the file stays under twice what is pending.
-            # Emptied, it costs a state.json (an fsync, with the lock held): once enough
-            # acked lines are there, not after every ack (loading skips acked lines).
             if not self._offs:
-                if (self._dropped_lines >= self.compact_min
-                        or self._spool.tell() >= COMPACT_BYTES):
-                    self._empty()
+                self._empty()
             else:
                 head = self._offs[0]
                 tail = self._spool.tell() - head
@@ -2781,6 +2777,10 @@ class Runner(Worker):
                 exit_info = exit_record(failure_kind="LOST",
                                         message="the job's shim vanished without an exit "
                                                 "status (host reboot or killed)")
+        if att.pid_info is None:
+            # a job that ended before its waiter thread saw the shim's line: `pid` is
+            # written before `exit`, so it is there if the command ran
+            att.pid_info = read_json(att.file("pid"))
         if att.pid() and not att.running_reported:
             self.reporter.running(att)     # a fast job: say it ran before its lines
         att.draining = True

@@ -584,6 +584,8 @@ _CLI_TO_TOOL = [
     (r"`gpuplane ckpt evaluate (\d+) -- python eval.py`",
      lambda m: f"evaluate_checkpoint with checkpoint_id={m[1]} and command=[...]"),
     (r"--eval-command", "eval_command"),
+    (r"the CLI's -d \"\$PWD/\.\.\.\" gives one",
+     "give the project's directory from / (e.g. '/home/me/project')"),
 ]
 
 

@@ -195,6 +195,9 @@ def test_system_series_params_scopes_and_errors_in_mcp_words(live_server, tmp_pa
         assert "list_runs" in msg and "gpuplane " not in msg, msg
         msg = err(await call("get_run", run_id=999))
         assert "list_runs" in msg and "gpuplane " not in msg, msg
+        msg = err(await call("submit_job", command=["true"], working_dir="project"))
+        assert "'working_dir' must be an absolute path" in msg and "from /" in msg, msg
+        assert "CLI" not in msg and "-d" not in msg, msg
     session(mcp_env(live_server.url, live_server.token, tmp_path), body, in_process=True)
 
 

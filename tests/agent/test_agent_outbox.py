@@ -62,7 +62,7 @@ def test_outbox_compaction_keeps_unacked(tmp_path):
     assert seqs == [8, 9, 10]
     state = json.load(open(os.path.join(d, "state.json")))
     assert state["acked"] == 7 and state["next_seq"] == 11
-    ob2 = agent.Outbox(d, compact_min=1)
+    ob2 = agent.Outbox(d)
     assert ob2.acked == 7 and ob2.next_seq == 11
     assert [s for s, _w in ob2.pending_after(ob2.acked)] == [8, 9, 10]
     assert ob2.attempt_state("1/1")["offset"] == 10
@@ -71,37 +71,6 @@ def test_outbox_compaction_keeps_unacked(tmp_path):
     ob3 = agent.Outbox(d)
     assert ob3.next_seq == 11 and ob3.epoch == ob.epoch
     assert ob3.attempt_state("1/1")["line_no"] == 10
-
-
-def test_outbox_acked_lines_stay_until_enough_for_a_compaction(tmp_path):
-    """Emptying the spool costs a state.json write (an fsync): it waits for compact_min
-    acked lines. A crash in between loses nothing and sends nothing twice to the server,
-    which skips what it has (its cursor): the new outbox resends from the last state."""
-    def five_acked_and_one(d):
-        ob = agent.Outbox(d, compact_min=8)
-        for _ in range(5):
-            ob.append("log", {"job_id": 1, "attempt": 1, "lines": []})
-        assert [s for s, _w in ob.pending_after(0)] == [1, 2, 3, 4, 5]
-        ob.ack(5)
-        assert ob.pending_after(5) == []
-        assert os.path.getsize(os.path.join(d, "spool", "outbox.jsonl")) > 0
-        assert ob.append("log", {"job_id": 1, "attempt": 1, "lines": []}) == 6
-        assert [s for s, _w in ob.pending_after(5)] == [6]
-        return ob
-
-    d = str(tmp_path / "a")
-    ob = five_acked_and_one(d)
-    for _ in range(2):
-        ob.append("log", {"job_id": 1, "attempt": 1, "lines": []})
-    ob.ack(8)                           # 8 acked lines: now it empties
-    assert os.path.getsize(os.path.join(d, "spool", "outbox.jsonl")) == 0
-    assert json.load(open(os.path.join(d, "state.json")))["acked"] == 8
-
-    d = str(tmp_path / "b")
-    ob = five_acked_and_one(d)
-    crashed = agent.Outbox(d)           # no close(): state.json is from the start
-    assert crashed.epoch == ob.epoch and crashed.next_seq == 7
-    assert [s for s, _w in crashed.pending_after(crashed.acked)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_outbox_sends_only_what_is_on_disk(tmp_path, monkeypatch):
@@ -171,10 +140,9 @@ def test_outbox_memory_holds_offsets_not_records(tmp_path):
 
 
 def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
-    """An ack of everything (once compact_min lines are acked) truncates the spool in
-    place; records appended after it are read back as written (no stale bytes from before
-    the truncation)."""
-    ob = agent.Outbox(str(tmp_path / "agent"), compact_min=3)
+    """An ack of everything truncates the spool in place; records appended after it are
+    read back as written (no stale bytes from before the truncation)."""
+    ob = agent.Outbox(str(tmp_path / "agent"))
     for i in range(3):
         ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "old" * 50]]})
     assert len(ob.pending_after(0, max_records=1)) == 1     # the reader buffers the rest
@@ -199,6 +167,5 @@ def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts)
     wait_until(lambda: all((tmp_path / f"home/agent/jobs/{j}/1/reported").exists()
                            for j in range(1, 6)), what="reported markers")
     h.outbox.ack(h.outbox.last_seq)
-    h.outbox.save_state()           # as a compaction (or the agent's stop) does
     state = json.loads((tmp_path / "home/agent/state.json").read_text())
     assert state["acked"] == h.outbox.last_seq and state["attempts"] == {}
