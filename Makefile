@@ -25,8 +25,12 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Two workers, a test file each at a time (a file's module fixtures stay in one process):
+# most tests wait on real processes, so two cores run two files at once. PYTEST_WORKERS=0
+# runs it in one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 # Man pages from the argparse parsers (tests/test_install.py checks they are current).
 MANDIR ?= man

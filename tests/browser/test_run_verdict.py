@@ -45,6 +45,10 @@ def test_run_page_verdict_matches_diagnose_and_run_show_and_sparse_system_charts
     pts += [[1, s, float(s), now] for s in range(50)]                 # says nothing of its goal
     pts += [[2, now // 1000, 12.5, now], [3, now // 1000, "NaN", now]]
     c.log_run_metrics(run, keys, pts)
+    # the rules engine judges the points on its own thread, and its event is evidence:
+    # the diagnosis to compare with is the one after it
+    wait_for(lambda: c.list_events(run=run, type="LOSS_DIVERGED")["events"], 30,
+             what="the LOSS_DIVERGED event")
     d = c.get_run_diagnosis(run)
     summary = {k["key"]: k for k in c.list_run_metrics(run)}
 
