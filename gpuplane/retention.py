@@ -109,14 +109,32 @@ def metric_of(db, job):
     return key, d
 
 
+def ranked_with(db, job):
+    """The jobs whose checkpoints one policy ranks together: for a sweep's trial, every
+    trial of the sweep that has ended and shares its working dir (the best K are the
+    sweep's best, not each trial's), with the job itself; else the job alone. A trial
+    still running keeps its checkpoints until it ends and its own pass ranks them."""
+    if not job.get("sweep_id"):
+        return [job]
+    out = [job]
+    for t in sweeps_db.trials(db, job["sweep_id"]):
+        if t.get("job_id") in (None, job["id"]) or t.get("job_state") not in states.JOB_FINAL:
+            continue
+        other = jobs.get(db, t["job_id"])
+        if other and other["working_dir"] == job["working_dir"]:
+            out.append(other)
+    return out
+
+
 def prune(db, lifecycle, gateway, job, policy=None, dry_run=False):
-    """Apply a policy (the job's own when None) to the job's checkpoints. Returns what is
-    kept and why, what goes (and, unless dry_run, was sent to its agent)."""
+    """Apply a policy (the job's own when None) to the job's checkpoints (a trial's with
+    its sweep's ended trials', ranked_with). Returns what is kept and why, what goes
+    (and, unless dry_run, was sent to its agent)."""
     policy = policy or policy_of(db, job)
     if not policy:
         raise PolicyError(f"job {job['id']} has no retention policy (nor has its "
                           "experiment); give keep_best / keep_last")
-    ckpts = checkpoints.of_job_runs(db, job["id"])
+    ckpts = [c for j in ranked_with(db, job) for c in checkpoints.of_job_runs(db, j["id"])]
     key, d = metric_of(db, job)
     values = {}
     if key:

@@ -123,3 +123,47 @@ def test_an_experiments_policy_applies_to_its_jobs_without_one(live_server, agen
              what="the experiment's policy to keep the last 2")
     assert cli.main([*url, "exp", "retention", "kept", "--off"]) == 0
     assert api.get("/api/v1/projects/default/experiments/kept")["retention"] is None
+
+
+TRIAL = """\
+import os, sys
+from gpuctl import run
+offset, out = float(sys.argv[1]), sys.argv[2]
+os.makedirs(out, exist_ok=True)
+for step in (10, 20, 30, 40):
+    run.log({"val/loss": abs(step - 30) / 10 + offset}, step=step)    # best at 30
+    with open(f"{out}/step{step}.pt", "wb") as f:
+        f.write(b"w" * 100)
+    run.log_checkpoint(f"{out}/step{step}.pt", step=step)
+"""
+
+
+def test_a_sweeps_policy_keeps_the_best_of_the_sweep_not_of_each_trial(live_server, agent,
+                                                                      tmp_path):
+    """keep-best 2 / keep-last 1 on a sweep of three trials: the two best checkpoints of the
+    whole sweep stay (both of trial 0, the best trial), and of the other trials only their
+    last; kept each trial's own best two, eleven files would stay instead of five."""
+    api = live_server.api
+    (tmp_path / "trial.py").write_text(TRIAL)
+    s = api.post("/api/v1/sweeps", {
+        "name": "kept", "experiment": "kept", "working_dir": str(tmp_path), "parallel": 1,
+        "cpu_only": True, "command": f"{sys.executable} trial.py {{offset}} ckpt-{{trial}}",
+        "parameters": {"offset": [0, 10, 20]}, "metric": "val/loss", "direction": "min",
+        "retention": {"keep_best": 2, "keep_last": 1}}, expect=201)
+    wait_for(lambda: api.get(f"/api/v1/sweeps/{s['id']}")["state"] != "RUNNING", 120,
+             what="the sweep to end")
+
+    def settled():
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("ckpt-*/*.pt"))
+        return left if len(left) == 5 else None
+    left = wait_for(settled, timeout=60, what="retention to leave five checkpoints")
+    assert left == ["ckpt-0/step20.pt", "ckpt-0/step30.pt", "ckpt-0/step40.pt",
+                    "ckpt-1/step40.pt", "ckpt-2/step40.pt"]
+    trials = api.get(f"/api/v1/sweeps/{s['id']}")["trials_detail"]
+    runs = [api.job(t["job_id"])["run_id"] for t in trials]
+    why = {c["path"].split("/")[-2] + "/" + c["path"].split("/")[-1]: c["keep_reason"]
+           for r in runs for c in api.get(f"/api/v1/runs/{r}/checkpoints")["checkpoints"]
+           if not c["deleted_at"]}
+    assert why["ckpt-0/step30.pt"] == "best 1 by val/loss (0)"
+    assert why["ckpt-0/step20.pt"] == "best 2 by val/loss (1)"
+    assert why["ckpt-2/step40.pt"] == f"last 1 of run {runs[2]}"
