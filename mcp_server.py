@@ -518,6 +518,10 @@ class Gpuplane:
         ev = self.client.create_evaluation(checkpoint_id, command)
         return dict(ev, next_actions=na.after_evaluation(ev, ckpt["run_id"]))
 
+    def prune_checkpoints(self, a):
+        r = self.client.prune_job_checkpoints(a.job_id, a.keep_best, a.keep_last, a.dry_run)
+        return dict(r, next_actions=na.after_prune(r))
+
     def set_primary_metric(self, key, direction, project=None, experiment=None):
         d = self.client.set_metric_definition(key, direction=direction, primary=True,
                                               project=project, experiment=experiment)
@@ -739,6 +743,35 @@ class EvaluateIn(In):
         description="evaluation command; default: the training job's eval command")] = None
 
 
+class PinIn(In):
+    checkpoint_id: Annotated[int, Field(description="the checkpoint (list_checkpoints)", ge=1)]
+    pinned: Annotated[bool, Field(description="true pins it (retention always keeps it), "
+                                              "false unpins")] = True
+
+
+class PruneIn(In):
+    job_id: JobId
+    keep_best: Annotated[int | None, Field(
+        description="keep the best K by the metric that decides (default: the job's "
+                    "policy; given alone, keep_last is 1)", ge=0, le=10_000)] = None
+    keep_last: Annotated[int | None, Field(
+        description="keep the last L of each run (default: the job's policy; given "
+                    "alone, keep_best is 1)",
+        ge=0, le=10_000)] = None
+    dry_run: Annotated[bool, Field(
+        description="true (the default) only says what would be deleted; false deletes "
+                    "the files from disk")] = True
+
+
+class PruneOut(ControlOut):
+    keep: list[dict[str, Any]] = Field(description="[{checkpoint_id, path, step, reason}]")
+    delete: list[dict[str, Any]] = Field(
+        description="[{checkpoint_id, run_id, path, step, size_bytes, node}]: deleted, or "
+                    "with dry_run what would be")
+    bytes: int = Field(description="the bytes those files hold")
+    dry_run: bool
+
+
 class PrimaryMetricIn(In):
     key: Annotated[str, Field(description="the metric that decides, e.g. 'val/acc'")]
     direction: Annotated[Literal["min", "max"], Field(description="whether lower or higher "
@@ -945,6 +978,18 @@ TOOLS = [
          "then drive get_best_checkpoint (needs a write token).",
          EvaluateIn, ControlOut, lambda gp, a: gp.evaluate_checkpoint(a.checkpoint_id,
                                                                       a.command)),
+    Tool("pin_checkpoint", CONTROL,
+         "Pin a checkpoint so that retention never deletes it (pinned=false unpins; needs a "
+         "write token).",
+         PinIn, ControlOut,
+         lambda gp, a: gp.client.pin_checkpoint(a.checkpoint_id, a.pinned)),
+    Tool("prune_checkpoints", CONTROL,
+         "Apply a retention policy to a job's checkpoints: keep the best K by the "
+         "metric that decides (a sweep's trial: the sweep's best), the last L of each run, "
+         "every evaluated or pinned one. By default a dry run that lists what would go, "
+         "with the reason each kept one stays; dry_run=false deletes the files (needs a "
+         "write token).",
+         PruneIn, PruneOut, lambda gp, a: gp.prune_checkpoints(a)),
     Tool("set_primary_metric", CONTROL,
          "Make a metric the primary one (global, project or experiment scope): checkpoint "
          "recommendations and comparisons rank by it (needs a write token).",

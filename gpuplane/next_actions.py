@@ -115,6 +115,17 @@ def after_evaluation(evaluation, checkpoint_run_id=None):
     return acts
 
 
+def after_prune(result):
+    """After a dry run that would delete something: the same policy, for real."""
+    if not result.get("dry_run") or not result.get("delete"):
+        return []
+    policy = result["policy"]
+    return [action("prune_checkpoints", f"delete these {len(result['delete'])} checkpoint "
+                   "files (what is kept and why is listed)", job_id=result["job_id"],
+                   keep_best=policy["keep_best"], keep_last=policy["keep_last"],
+                   dry_run=False)]
+
+
 def after_primary_metric(key, project=None, experiment=None):
     if not project and not experiment:
         return []

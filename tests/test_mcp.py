@@ -14,7 +14,8 @@ EXAMPLE = ROOT / "examples" / "cpu"
 OBSERVE = {"get_status", "list_jobs", "get_job", "get_job_logs", "list_runs", "get_run",
            "get_metric_summary", "get_metric_series", "get_metric_table", "list_checkpoints",
            "list_events", "whoami"}
-CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric"}
+CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric",
+           "pin_checkpoint", "prune_checkpoints"}
 SEMANTIC = {"diagnose_run", "compare_runs", "compare_checkpoints", "get_best_checkpoint",
             "explain_failure"}
 SWEEPS = {"list_sweeps", "get_sweep", "wait_for_sweep", "create_sweep", "cancel_sweep",
@@ -210,6 +211,8 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             "cancel_job": {"job_id": job["id"]},
             "retry_job": {"job_id": job["id"]},
             "evaluate_checkpoint": {"checkpoint_id": 1},
+            "pin_checkpoint": {"checkpoint_id": 1},
+            "prune_checkpoints": {"job_id": job["id"]},
             "set_primary_metric": {"key": "val/loss", "direction": "min"}}
 
     async def as_reader(call, client):
@@ -232,7 +235,8 @@ def test_bad_token_and_scopes(live_server, tmp_path):
         # retry of the cancelled job goes through; evaluate / set_primary_metric reach
         # the server (a missing checkpoint or a route this server lacks), not a scope error.
         assert ok(await call("retry_job", **args["retry_job"]))["state"] == "QUEUED"
-        for tool in ("evaluate_checkpoint", "set_primary_metric"):
+        for tool in ("evaluate_checkpoint", "set_primary_metric", "pin_checkpoint",
+                     "prune_checkpoints"):
             is_error, data = await call(tool, **args[tool])
             assert not (is_error and "WriteScopeError" in data), (tool, data)
     session(mcp_env(live_server.url, write, tmp_path), as_writer, in_process=True)

@@ -99,6 +99,24 @@ def test_twenty_checkpoints_under_keep_best_2_keep_last_1(live_server, agent, tm
     assert "pinned" in out and "would delete 0 checkpoints" in out, out
     assert sorted(p.name for p in (work / "ckpt").iterdir()) == on_disk
 
+    # the same from an agent's MCP tools: unpin, and the dry run names what would go and
+    # the call that deletes it; nothing is deleted
+    from test_mcp import mcp_env, ok, session
+    step60 = next(c["id"] for c in cks if c["path"].endswith("step60.pt"))
+
+    async def body(call, client):
+        r = ok(await call("prune_checkpoints", job_id=job["id"], keep_best=1, keep_last=1))
+        assert r["dry_run"] and r["delete"] == [] and r["next_actions"] == [], r
+        assert ok(await call("pin_checkpoint", checkpoint_id=step60, pinned=False))[
+            "pinned"] is False
+        r = ok(await call("prune_checkpoints", job_id=job["id"], keep_best=1, keep_last=1))
+        assert [c["checkpoint_id"] for c in r["delete"]] == [step60], r
+        assert [(a["tool"], a["arguments"]) for a in r["next_actions"]] == [(
+            "prune_checkpoints", {"job_id": job["id"], "keep_best": 1, "keep_last": 1,
+                                  "dry_run": False})]
+    session(mcp_env(live_server.url, live_server.token, tmp_path), body, in_process=True)
+    assert sorted(p.name for p in (work / "ckpt").iterdir()) == on_disk
+
 
 def test_an_experiments_policy_applies_to_its_jobs_without_one(live_server, agent, tmp_path,
                                                               monkeypatch, capsys):
