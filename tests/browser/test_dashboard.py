@@ -363,6 +363,15 @@ def test_checkpoints_evaluate_recommend_and_the_wall_time_axis(open_page, cluste
     assert f"job #{evals[0]['job_id']}" in page.inner_text("#evaluation-queued")
     page.wait_for_selector(f"tr[data-checkpoint='{by_step[30]}'] .evaluations "
                            f"a[href='#/jobs/{evals[0]['job_id']}']")
+    # Pin, which retention always keeps, and unpin: the API says the same each time.
+    row = f"tr[data-checkpoint='{by_step[30]}']"
+    page.click(f"{row} button.pin")
+    page.wait_for_selector(f"{row} .kept .badge.pinned")
+    assert server.api.get(f"/api/v1/checkpoints/{by_step[30]}")["pinned"] is True
+    assert page.inner_text(f"{row} button.pin") == "Unpin"
+    page.click(f"{row} button.pin")
+    page.wait_for_selector(f"{row} .kept .badge.pinned", state="detached")
+    assert server.api.get(f"/api/v1/checkpoints/{by_step[30]}")["pinned"] is False
     shot(page, "run-checkpoints")
     w.assert_clean()
 

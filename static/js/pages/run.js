@@ -214,6 +214,14 @@ function fmtSize(n) {
   return n >= 2 ** 30 ? `${(n / 2 ** 30).toFixed(1)} GB` : n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(1)} MB` : `${Math.max(1, Math.round(n / 1024))} KB`;
 }
 
+// What retention did with it (docs/checkpoints.md): deleted with the bytes freed, or kept
+// and why (pinned, evaluated, best K, last L), as the server recorded it.
+function kept(c) {
+  if (c.deleted_at) return h("span", { class: "muted deleted", text: `deleted${c.bytes_freed ? ` (${fmtSize(c.bytes_freed)} freed)` : ""}` });
+  return [c.pinned ? h("span", { class: "badge pinned", text: "pinned" }) : null,
+    c.keep_reason && c.keep_reason !== "pinned" ? h("span", { class: "keep-reason", text: ` ${c.keep_reason}` }) : null];
+}
+
 async function loadCheckpoints(runId, el, msg) {
   const data = await optional(`/runs/${runId}/checkpoints?detail=1`);
   if (!data) {
@@ -232,7 +240,7 @@ async function loadCheckpoints(runId, el, msg) {
       rec.reason ? h("span", { class: "small", text: ` — ${rec.reason}` }) : null)
       : rec && rec.reason ? h("p", { class: "muted small", id: "recommendation-none", text: rec.reason }) : null,
     list.length ? h("div", { class: "scroll-x" }, h("table", { class: "table", id: "checkpoint-table" },
-      h("thead", {}, h("tr", {}, ["Checkpoint", "Step", "Epoch", "Size", "Metrics", "Evaluations", ""].map((t) => h("th", { text: t })))),
+      h("thead", {}, h("tr", {}, ["Checkpoint", "Step", "Epoch", "Size", "Metrics", "Evaluations", "Kept", ""].map((t) => h("th", { text: t })))),
       h("tbody", {}, list.map((c) => h("tr", { class: c.id === recId ? "recommended" : "", "data-checkpoint": c.id },
         h("td", {}, h("code", { text: c.path }), c.id === recId ? [" ", h("span", { class: "badge ok", text: "recommended" })] : null),
         h("td", { class: "num", text: c.step ?? "" }),
@@ -241,7 +249,15 @@ async function loadCheckpoints(runId, el, msg) {
         h("td", { class: "small metrics", text: values(c.metrics) }),
         h("td", { class: "small evaluations" }, (c.evaluations || []).map((e) => h("div", {},
           h("a", { href: `#/jobs/${e.job_id}`, text: `job #${e.job_id}` }), ` ${e.state || ""} ${values(e.results)}`))),
-        h("td", {}, canWrite() ? h("button", { class: "secondary small evaluate", "aria-label": `Evaluate checkpoint #${c.id}`, onclick: async () => {
+        h("td", { class: "small kept" }, kept(c)),
+        h("td", {}, canWrite() && !c.deleted_at ? [h("button", { class: "secondary small pin", "aria-label": `${c.pinned ? "Unpin" : "Pin"} checkpoint #${c.id}`, onclick: async () => {
+          try {
+            await api(`/checkpoints/${c.id}/pin`, { method: "POST", body: { pinned: !c.pinned } });
+            await loadCheckpoints(runId, el, msg);
+          } catch (e) {
+            replace(msg, errorBox(e));
+          }
+        } }, c.pinned ? "Unpin" : "Pin"), " ", h("button", { class: "secondary small evaluate", "aria-label": `Evaluate checkpoint #${c.id}`, onclick: async () => {
           if (!(await confirmAction(`Queue an evaluation job for checkpoint #${c.id} (${c.path})?`, "Evaluate"))) return;
           try {
             const ev = await api(`/checkpoints/${c.id}/evaluations`, { method: "POST", body: {} });
@@ -250,6 +266,6 @@ async function loadCheckpoints(runId, el, msg) {
           } catch (e) {
             replace(msg, errorBox(e));
           }
-        } }, "Evaluate") : null))))))
+        } }, "Evaluate")] : null))))))
       : h("p", { class: "muted", text: "No checkpoints registered for this run." }));
 }
