@@ -116,7 +116,7 @@ class Engine(Worker):
         self._recent = {}               # debounce key -> (event id, until monotonic, pending)
         self._fingerprints = set()      # findings stored or counted (the DB has the rest)
         self._next_stall = 0.0
-        self._user = {}                 # (run, minute) -> distinct SDK event names
+        self._user = {}                 # run -> [window start (monotonic), distinct names]
         self._user_lock = threading.Lock()
         self._user_recent = {}          # (run, name) -> [event id, until, pending count]
         self.stats = {"handoffs": 0, "dropped": 0, "findings": 0, "stored": 0}
@@ -456,13 +456,17 @@ class Engine(Worker):
 
     def record_user_event(self, run, name, data, step, ts):
         """Store an SDK event, debounced per run and name; past USER_EVENTS_PER_MIN
-        distinct names in a minute, further ones are counted on one USER_FLOOD event.
-        Returns (event id, added)."""
-        minute = int(time.time() // 60)
+        distinct names in a minute (from the first event of the run's current window, not
+        a calendar minute: a burst across a minute's turn gets no second allowance),
+        further ones are counted on one USER_FLOOD event. Returns (event id, added)."""
+        now = time.monotonic()
         with self._user_lock:
-            names = self._user.setdefault((run["id"], minute), set())
-            if len(self._user) > 10_000:
-                self._user = {k: v for k, v in self._user.items() if k[1] >= minute}
+            window = self._user.get(run["id"])
+            if window is None or now - window[0] >= 60:
+                if len(self._user) > 10_000:
+                    self._user = {k: w for k, w in self._user.items() if now - w[0] < 60}
+                window = self._user[run["id"]] = [now, set()]
+            names = window[1]
             flood = name not in names and len(names) >= USER_EVENTS_PER_MIN
             if not flood:
                 names.add(name)

@@ -27,22 +27,34 @@ def mcp_env(server_url, token, home):
             "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
 
 
+def stdio_target(argv, env, log, cwd=ROOT):
+    """The stdio transport to `argv` for mcp.Client, its stderr into the file `log`. Not
+    Client(StdioServerParameters): mcp's stdio_client binds sys.stderr as its default at
+    import, and imported first under a test's capsys that is a capture without a file
+    descriptor, which fails every later stdio client of that worker process."""
+    from mcp import StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    log = pathlib.Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return stdio_client(StdioServerParameters(command=argv[0], args=argv[1:], env=env,
+                                              cwd=cwd and str(cwd)), errlog=open(log, "a"))
+
+
 def session(env, body, in_process=False):
     """Start gpuplane-mcp over stdio with `env`, run `await body(call, client)`.
     in_process: the same server object, connected in memory (no process to start)."""
-    from mcp import Client, StdioServerParameters
+    from mcp import Client
 
     if in_process:
         import mcp_server
-        params = mcp_server.build_server(mcp_server.Gpuplane(env["GPUCTL_SERVER"],
+        target = mcp_server.build_server(mcp_server.Gpuplane(env["GPUCTL_SERVER"],
                                                              env["GPUCTL_TOKEN"]))
     else:
-        params = StdioServerParameters(command=sys.executable,
-                                       args=[str(ROOT / "mcp_server.py")], env=env,
-                                       cwd=str(ROOT))
+        target = stdio_target([sys.executable, str(ROOT / "mcp_server.py")], env,
+                              pathlib.Path(env["GPUCTL_HOME"]) / "mcp-stderr.log")
 
     async def main():
-        async with Client(params) as client:
+        async with Client(target) as client:
             async def call(tool, **args):
                 r = await client.call_tool(tool, args)
                 text = " ".join(getattr(c, "text", "") for c in r.content)

@@ -107,7 +107,9 @@ def test_server_agent_job_and_mcp_by_the_seed_names(tmp_path, procs):
     # The MCP server takes its server and token from GPUCTL_SERVER_URL / GPUCTL_MCP_TOKEN
     # (nothing else points it anywhere: no GPUCTL_SERVER, an empty home).
     mcp_env = clean_env(tmp_path / "mcp", GPUCTL_SERVER_URL=url, GPUCTL_MCP_TOKEN=token)
-    from mcp import Client, StdioServerParameters
+    from mcp import Client
+
+    from test_mcp import stdio_target
 
     async def job_state(client):
         r = await client.call_tool("get_job", {"job_id": job_id})
@@ -115,9 +117,9 @@ def test_server_agent_job_and_mcp_by_the_seed_names(tmp_path, procs):
         return r.structured_content["state"]
 
     async def over_stdio():
-        params = StdioServerParameters(command=script("gpuctl-mcp"), args=["stdio"],
-                                       env=mcp_env)
-        async with Client(params) as client:
+        target = stdio_target([script("gpuctl-mcp"), "stdio"], mcp_env,
+                              tmp_path / "mcp-stdio.log", cwd=None)
+        async with Client(target) as client:
             return await job_state(client)
     assert asyncio.run(over_stdio()) == "SUCCEEDED"
 
