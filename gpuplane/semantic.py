@@ -96,15 +96,6 @@ _is_loss_like = vocab.is_loss
 _is_system = vocab.is_system
 
 
-def _finite_points(points):
-    out = []
-    for p in points:
-        v = num(p[1])
-        if math.isfinite(v):
-            out.append((p[0], v))
-    return out
-
-
 def _badness(values, direction):
     """Values turned so that lower is better whatever the direction."""
     return [v if direction == "min" else -v for v in values]
