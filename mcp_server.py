@@ -585,6 +585,8 @@ _CLI_TO_TOOL = [
      "(set_primary_metric with project and experiment creates it, and so does submit_job)"),
     (r"`gpuplane ckpt (?:list|show ID)`", "list_checkpoints with a run_id"),
     (r"`gpuplane metric list`", "get_best_checkpoint (its metric says which is primary)"),
+    (r"`gpuplane metric set KEY --direction min\|max --primary`",
+     "set_primary_metric with project and experiment"),
     (r"`gpuplane ckpt evaluate (\d+) -- python eval.py`",
      lambda m: f"evaluate_checkpoint with checkpoint_id={m[1]} and command=[...]"),
     (r"--eval-command", "eval_command"),

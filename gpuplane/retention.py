@@ -136,6 +136,12 @@ def prune(db, lifecycle, gateway, job, policy=None, dry_run=False):
                           "experiment); give keep_best / keep_last")
     ckpts = [c for j in ranked_with(db, job) for c in checkpoints.of_job_runs(db, j["id"])]
     key, d = metric_of(db, job)
+    if policy["keep_best"] and (not key or d not in ("min", "max")):
+        # the best cannot be told: keeping "the best K" would quietly keep none of them
+        raise PolicyError(
+            f"no metric decides which of job {job['id']}'s checkpoints are best: give its "
+            "experiment a primary metric with a direction (`gpuplane metric set KEY "
+            "--direction min|max --primary`), or keep_best 0 to keep only the last L")
     values = {}
     if key:
         for run_id in {c["run_id"] for c in ckpts}:
@@ -192,5 +198,8 @@ class Retention(Worker):
                     r = prune(self.db, self.lifecycle, self.gateway, job)
                     log.info("job %d retention: %d kept, %d to delete", job_id,
                              len(r["keep"]), len(r["delete"]))
+                except PolicyError as e:
+                    log.warning("job %d: retention not applied, nothing deleted: %s",
+                                job_id, e)
                 except Exception:
                     log.exception("job %d: retention failed", job_id)

@@ -141,6 +141,13 @@ def test_an_experiments_policy_applies_to_its_jobs_without_one(live_server, agen
              what="the experiment's policy to keep the last 2")
     assert cli.main([*url, "exp", "retention", "kept", "--off"]) == 0
     assert api.get("/api/v1/projects/default/experiments/kept")["retention"] is None
+    # no metric decides here: "the best 1" cannot be told, so nothing is deleted for it
+    bad = api.post(f"/api/v1/jobs/{job['id']}/checkpoints:prune",
+                   {"keep_best": 1, "keep_last": 1, "dry_run": True})
+    assert api.last.status_code == 400, bad
+    assert "no metric decides" in bad["error"]["message"] and "keep_best 0" in \
+        bad["error"]["message"]
+    assert sorted(os.listdir(tmp_path / "c")) == ["3.pt", "4.pt"]
 
 
 TRIAL = """\
