@@ -490,11 +490,11 @@ class Worker:
 # Records are appended (flushed) to agent/spool/outbox.jsonl, and fsynced before they can
 # be sent: the sender fsyncs once for every record appended since its last batch (a group
 # commit), so no thread that reports waits on the disk, and the server never holds a
-# record that a power cut could take from the spool. A record may carry a private `_att` field, {"key": "<job>/<attempt>", ...}, with the
-# attempt's tail state after that record (log offset, line_no, TB offsets, reported flags);
-# it is written last in the line and cut off for the wire. Because it is written in the
-# same line as the data, the tail position and the data it produced can never disagree
-# after a crash.
+# record that a power cut could take from the spool. A record may carry a private `_att`
+# field, {"key": "<job>/<attempt>", ...}, with the attempt's tail state after that record
+# (log offset, line_no, TB offsets, reported flags); it is written last in the line and cut
+# off for the wire. Because it is written in the same line as the data, the tail position
+# and the data it produced can never disagree after a crash.
 # agent/state.json holds epoch, next_seq, acked and a snapshot of all attempt states as of
 # `snapshot_seq`; on start the spool records above snapshot_seq are folded on top of it.
 # Memory holds only where each unacked record sits in the spool (three integers a record);
@@ -1100,9 +1100,12 @@ class Attempt:
         self.tb.offsets = dict(st.get("tb", {}))
         self.ckpt.load(st.get("ckpt", {}))
 
-    def pid(self):
-        # a shim we watch says when it has written the file (its line, or its exit)
-        if self.pid_info is None and (self.started or self.shim_gone or not self.watched):
+    def pid(self, ended=False):
+        # a shim we watch says when it has written the file (its line, or its exit); so
+        # does an `exit` found (ended): `pid` is written before it if the command ran, and
+        # a fast job can end before its waiter thread has seen the shim's line
+        if self.pid_info is None and (ended or self.started or self.shim_gone
+                                      or not self.watched):
             self.pid_info = read_json(self.file("pid"))
         return self.pid_info
 
@@ -2777,11 +2780,7 @@ class Runner(Worker):
                 exit_info = exit_record(failure_kind="LOST",
                                         message="the job's shim vanished without an exit "
                                                 "status (host reboot or killed)")
-        if att.pid_info is None:
-            # a job that ended before its waiter thread saw the shim's line: `pid` is
-            # written before `exit`, so it is there if the command ran
-            att.pid_info = read_json(att.file("pid"))
-        if att.pid() and not att.running_reported:
+        if att.pid(ended=True) and not att.running_reported:
             self.reporter.running(att)     # a fast job: say it ran before its lines
         att.draining = True
         try:
