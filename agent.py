@@ -737,16 +737,19 @@ class Outbox:
             del self._cuts[:n]
             self._dropped_lines += n
             self.acked = seq
-            # Rewriting costs the pending bytes: do it when the acked head of the file is
-            # at least as big (amortised), so the file stays under twice what is pending.
-            if not self._offs:
-                self._empty()
-            else:
-                head = self._offs[0]
-                tail = self._spool.tell() - head
-                if head >= tail and (self._dropped_lines >= self.compact_min
-                                     or head >= COMPACT_BYTES):
+            # Compacting costs a state.json and the pending bytes: do it when the acked
+            # head of the file is at least as big and holds enough lines (amortised: not
+            # at every ack), so the file stays under twice what is pending. Acked lines
+            # left in the spool are harmless: loading resends them from state.json's
+            # `acked`, and the server skips what its cursor already covers.
+            end = self._spool.tell()
+            head = self._offs[0] if self._offs else end
+            if head >= end - head and (self._dropped_lines >= self.compact_min
+                                       or head >= COMPACT_BYTES):
+                if self._offs:
                     self._rewrite()
+                else:
+                    self._empty()
         for fn in self.ack_listeners:
             fn()
 
@@ -1068,6 +1071,7 @@ class Attempt:
         self.container = spec.get("container")   # a container's name, for image jobs
         self.resumed_from = spec.get("resumed_from")   # the checkpoint id it resumes from
         self.container_stop_sent = False
+        self.scrubbed = False             # spec.json holds no secret (without_secrets)
         self.slurm_id = None              # --runner slurm: the batch job's id, its last
         self.slurm_reason = None          # PENDING reason (and when it was reported), and
         self.slurm_reason_at = None       # whether its log appeared
@@ -1134,6 +1138,14 @@ class Attempt:
 # launcher: attempts start through the shim; their process trees are stopped
 # ---------------------------------------------------------------------------------------
 
+def shim_record(exec_record):
+    """An attempt's exec record as the shim's message carries it (marshal: cheaper to load
+    than spec.json), or None when it is too big for one message (SHIM_RECORD_MAX): the
+    shim then reads it from spec.json."""
+    packed = marshal.dumps(exec_record)
+    return packed if len(packed) <= SHIM_RECORD_MAX else None
+
+
 class Launcher:
     """Starts attempts through the shim and stops their process trees (SIGTERM to the
     group, SIGKILL to it and every descendant seen once the grace period is over).
@@ -1176,14 +1188,12 @@ class Launcher:
             if server[0].poll() is None:
                 self._retired.append(server[0])
 
-    def launch(self, att, exec_record):
-        """Hand the attempt to the shim with its exec record (marshal: cheaper to load
-        than spec.json; a record too big for one message stays in spec.json, where the
-        shim reads it) and the write end of a pipe: a line when the command runs and EOF
-        once its exit is written both wake the runner, so nothing polls for either."""
-        packed = marshal.dumps(exec_record)
-        request = os.fsencode(att.dir) + b"\0" + (packed if len(packed) <= SHIM_RECORD_MAX
-                                                  else b"")
+    def launch(self, att, packed):
+        """Hand the attempt to the shim with its exec record (`packed`: shim_record(); None:
+        too big for one message, the shim reads it from spec.json) and the write end of a
+        pipe: a line when the command runs and EOF once its exit is written both wake the
+        runner, so nothing polls for either."""
+        request = os.fsencode(att.dir) + b"\0" + (packed or b"")
         r, w = os.pipe()
         try:
             for attempt in (1, 2):
@@ -2432,7 +2442,9 @@ class Reporter:
             rec["resumed_from"] = att.resumed_from
         self.outbox.append("job", rec, att={"key": att.key, "running": True})
         att.running_reported = True
-        scrub_start_record(att.file("spec.json"))
+        if not att.scrubbed:
+            scrub_start_record(att.file("spec.json"))
+            att.scrubbed = True
 
     def queued_in_slurm(self, att, reason):
         """Slurm holds the job PENDING (and why): the server shows it queued in Slurm."""
@@ -2700,12 +2712,28 @@ class Runner(Worker):
             open(os.path.join(path, "log"), "ab", opener=_private_opener).close()
             write_exit(path, failure_kind="DISPATCH_FAILED", message=str(e))
             log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
+            packed = None
         else:
-            write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
+            packed = shim_record(spec["exec"]) if self.slurm is None else None
+            if packed is not None:
+                # The shim gets the exec record in its message: spec.json goes without
+                # secrets from the start (nothing to scrub once it runs), and without an
+                # fsync: after a power cut nothing of the attempt runs, and one whose
+                # spec.json is gone or torn ends LOST, to be retried.
+                write_json_atomic(os.path.join(path, "spec.json"),
+                                  without_secrets(spec) or spec, private=True, sync=False)
+            else:
+                # sbatch or the shim read the exec record from here (and a Slurm job
+                # outlives a power cut of this host): kept whole until it runs
+                write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
         att = self._new_attempt(job_id, attempt, path, spec)
+        att.scrubbed = packed is not None
         self.active[key] = att
         if spec["exec"] is not None:
-            self.launcher.launch(att, spec["exec"])
+            if self.slurm is not None:
+                self.launcher.launch(att, spec["exec"])
+            else:
+                self.launcher.launch(att, packed)
         self._tick_attempt(att)
         if att.final:
             del self.active[key]
@@ -2942,21 +2970,32 @@ def _shim_ctime(pid):
             return None
 
 
+def without_secrets(spec):
+    """-> spec (an attempt's spec.json) without a secret: no ingest token, no env value;
+    None when it holds none. The job has them; nothing reads them from spec.json once
+    the shim has started it, so a job of the agent's user reading other attempts' files
+    finds no token and no env value there."""
+    start = spec.get("start") or {}
+    if "ingest_token" not in start and not (spec.get("exec") or {}).get("env"):
+        return None
+    start = {k: v for k, v in start.items() if k != "ingest_token"}
+    if isinstance(start.get("env"), dict):
+        start["env"] = {k: "<redacted>" for k in start["env"]}
+    spec = dict(spec, start=start)
+    if isinstance(spec.get("exec"), dict):
+        spec["exec"] = {k: v for k, v in spec["exec"].items() if k != "env"}
+    return spec
+
+
 def scrub_start_record(path):
-    """Once its job runs, an attempt's spec.json keeps no secret: the ingest token and the
-    env values go (the job has them; nothing reads them from here again), so a job of the
-    agent's user reading other attempts' files finds no token and no env value there."""
+    """Rewrite spec.json without_secrets() once its job runs (for the attempts that did
+    not go without them from the start: Runner._start)."""
     spec = read_json(path)
     if not isinstance(spec, dict):
         return
-    start = spec.get("start") or {}
-    if "ingest_token" not in start and not (spec.get("exec") or {}).get("env"):
+    spec = without_secrets(spec)
+    if spec is None:
         return
-    start.pop("ingest_token", None)
-    if isinstance(start.get("env"), dict):
-        start["env"] = {k: "<redacted>" for k in start["env"]}
-    if isinstance(spec.get("exec"), dict):
-        spec["exec"].pop("env", None)
     try:     # not fsynced: a power cut may bring the secrets back, not lose the record
         write_json_atomic(path, spec, private=True, sync=False)
     except OSError as e:

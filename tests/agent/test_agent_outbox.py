@@ -62,7 +62,7 @@ def test_outbox_compaction_keeps_unacked(tmp_path):
     assert seqs == [8, 9, 10]
     state = json.load(open(os.path.join(d, "state.json")))
     assert state["acked"] == 7 and state["next_seq"] == 11
-    ob2 = agent.Outbox(d)
+    ob2 = agent.Outbox(d, compact_min=1)
     assert ob2.acked == 7 and ob2.next_seq == 11
     assert [s for s, _w in ob2.pending_after(ob2.acked)] == [8, 9, 10]
     assert ob2.attempt_state("1/1")["offset"] == 10
@@ -140,9 +140,10 @@ def test_outbox_memory_holds_offsets_not_records(tmp_path):
 
 
 def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
-    """An ack of everything truncates the spool in place; records appended after it are
-    read back as written (no stale bytes from before the truncation)."""
-    ob = agent.Outbox(str(tmp_path / "agent"))
+    """An ack of everything (once enough lines are acked: compact_min) truncates the spool
+    in place; records appended after it are read back as written (no stale bytes from
+    before the truncation)."""
+    ob = agent.Outbox(str(tmp_path / "agent"), compact_min=3)
     for i in range(3):
         ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "old" * 50]]})
     assert len(ob.pending_after(0, max_records=1)) == 1     # the reader buffers the rest
@@ -156,6 +157,34 @@ def test_outbox_reads_new_records_after_emptying_the_spool(tmp_path):
     assert [s for s, _w in again.pending_after(again.acked)] == [4]
 
 
+def test_acks_below_the_compaction_threshold_leave_the_spool_and_state_alone(tmp_path):
+    """An ack does not rewrite state.json nor truncate the spool each time (a file per
+    ack, at every job's start and end); the acked lines left in the spool are resent after
+    a restart (state.json's `acked` is older), the server skips what its cursor covers,
+    and no seq is used twice."""
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d, compact_min=10)
+    for i in range(5):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "x"]]},
+                  att={"key": "1/1", "offset": i + 1, "line_no": i + 1})
+    state_before = open(os.path.join(d, "state.json")).read()
+    ob.ack(5)
+    assert ob.pending_after(5) == []
+    assert open(os.path.join(d, "state.json")).read() == state_before
+    assert os.path.getsize(ob.spool_path) > 0
+    again = agent.Outbox(d, compact_min=10)          # the agent restarts
+    assert again.acked == 0 and again.next_seq == 6
+    assert [s for s, _w in again.pending_after(again.acked)] == [1, 2, 3, 4, 5]
+    assert again.attempt_state("1/1")["offset"] == 5  # folded from the spool's lines
+    again.ack(5)                                     # the server's cursor, at hello
+    assert again.append("log", {"job_id": 1, "attempt": 1, "lines": []}) == 6
+    for _ in range(4):
+        again.append("log", {"job_id": 1, "attempt": 1, "lines": []})
+    again.ack(10)                                    # 10 acked lines: compacted
+    assert os.path.getsize(again.spool_path) == 0
+    assert json.loads(open(os.path.join(d, "state.json")).read())["acked"] == 10
+
+
 def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts):
     """state.json carries the attempts still running, not every attempt since the agent
     started: saving it at each compaction must not grow with the number of jobs run."""
@@ -167,5 +196,6 @@ def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts)
     wait_until(lambda: all((tmp_path / f"home/agent/jobs/{j}/1/reported").exists()
                            for j in range(1, 6)), what="reported markers")
     h.outbox.ack(h.outbox.last_seq)
+    h.outbox.save_state()           # as the next compaction does
     state = json.loads((tmp_path / "home/agent/state.json").read_text())
     assert state["acked"] == h.outbox.last_seq and state["attempts"] == {}

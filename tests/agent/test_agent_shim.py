@@ -209,3 +209,24 @@ def test_the_shim_keeps_its_job_when_the_agent_is_gone_before_the_reply(tmp_path
     finally:
         if shim.poll() is None:
             shim.kill()
+
+
+def test_the_start_record_on_disk_never_holds_the_secrets(tmp_path, hosts, gate):
+    """The shim gets the job's env and token in its message: spec.json is written without
+    them from the first byte (not rewritten once the job runs); a record too big for one
+    message is read from spec.json, so it keeps them there until the job runs."""
+    h = hosts(tmp_path / "home")
+    wait = [PY, "-c", f"import os, time\nwhile not os.path.exists({str(gate)!r}): "
+            "time.sleep(0.02)"]
+    h.runner.handle_start(start_msg(1, wait, tmp_path, env={"KEY": "v4lue"}))
+    spec = json.loads((tmp_path / "home/agent/jobs/1/1/spec.json").read_text())
+    assert "v4lue" not in json.dumps(spec) and "gpi_test" not in json.dumps(spec)
+    assert spec["start"]["env"] == {"KEY": "<redacted>"} and "env" not in spec["exec"]
+    big = "x" * (agent.SHIM_RECORD_MAX + 1)
+    h.runner.handle_start(start_msg(2, wait, tmp_path, env={"BIG": big}))
+    path = tmp_path / "home/agent/jobs/2/1/spec.json"
+    wait_until(lambda: "ingest_token" not in json.loads(path.read_text())["start"],
+               what="the big record scrubbed once its job runs")
+    assert big not in path.read_text()
+    gate.touch()
+    assert h.wait_exited(1)["exit_code"] == 0 and h.wait_exited(2)["exit_code"] == 0
