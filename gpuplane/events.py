@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 QUEUE_MAX = 10_000             # hand-offs waiting for the engine; beyond, the oldest go
 STALL_CHECK_S = 5.0
+HANDOFF_BATCH_S = 0.02   # a wake waits this long for more hand-offs: one wake per batch of
+                         # them, not per job event or log record (each a thread switch)
 USER_EVENTS_PER_MIN = 120      # distinct SDK events per run per minute; beyond, counted
 
 
@@ -158,6 +160,8 @@ class Engine(Worker):
             log.warning("event engine: %d hand-offs dropped (queue full at %d); their "
                         "points are stored, only not checked", n, QUEUE_MAX)
         new = []
+        if self._queue and len(self._queue) < QUEUE_MAX // 2:
+            self._stop.wait(HANDOFF_BATCH_S)
         while self._queue and not self._stop.is_set():
             item = self._queue.popleft()
             self.stats["handoffs"] += 1

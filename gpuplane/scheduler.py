@@ -17,6 +17,7 @@ from .db import jobs, loads, nodes, now_ms
 from .worker import Worker
 
 MISSING = "MISSING"      # the state shown for a dependency that is no job
+QUEUE_PAGE = 16          # queued jobs read at a time while the nodes are as last seen
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +92,9 @@ class Scheduler(Worker):
         # queue, at every pass).
         nodes_seen = tuple((n["name"], n["state"], _capacity(n)) for n in all_nodes)
         same = nodes_seen == self._nodes_seen
-        queue = jobs.placement_queue(self.db, (most_gpus, cpu_room) if same else None)
         reasons = {}        # job id -> a new pending_reason, written at the end in one go
         why = {}            # (gpus, cpu_only) -> why a job of that shape waits
-        for job in queue:
+        for job in self._queue(lambda: (most_gpus, cpu_room) if same else None):
             cpu_only = bool(job["cpu_only"])
             plain = not job["held"] and job["depends_on"] in (None, "[]")
             # A job that waits only for a slot, of a shape that cannot fit anywhere now,
@@ -130,6 +130,24 @@ class Scheduler(Worker):
         if reasons:
             jobs.set_pending_reasons(self.db, reasons)
         self._nodes_seen = nodes_seen
+
+    def _queue(self, room):
+        """The queue in placement order. While the nodes are as the last pass saw them
+        (`room()`: the room left now, else None), a page at a time, each read with the
+        room left then: once the free slots are filled, the next page holds only the
+        jobs that lack a reason or wait for more than a slot, not the rest of a long
+        queue."""
+        if room() is None:
+            yield from jobs.placement_queue(self.db)
+            return
+        after = None
+        while True:
+            page = jobs.placement_queue(self.db, room(), after=after, limit=QUEUE_PAGE)
+            yield from page
+            if len(page) < QUEUE_PAGE:
+                return
+            last = page[-1]
+            after = (last["priority"], last["queued_at"], last["id"])
 
     @staticmethod
     def _room(free):

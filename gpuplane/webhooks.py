@@ -196,7 +196,8 @@ class Webhooks(Worker):
         self.cursor = None
 
     def notify(self, ids=None):
-        self._wake.set()
+        if self.senders:            # with no webhook configured nothing is sent: no wake
+            self._wake.set()
 
     def start(self):
         # only what happens from now on: a restart does not page anyone about old news

@@ -159,3 +159,31 @@ def test_reasons_follow_the_nodes_while_later_passes_skip_jobs_that_keep_theirs(
     for w in waiting + [held]:
         assert jobs.get(db, w["id"])["pending_reason"] == (
             "no connected node has 1 GPU; waiting for one to come back")
+
+
+def test_a_long_queue_is_read_a_page_at_a_time_and_still_placed_in_order(world, monkeypatch):
+    """Once the free slots are filled, the rest of a long queue is not read at that pass
+    (the next page is asked for with no room left: only jobs that lack a reason come);
+    every job still starts in priority order, and each that waits gets its reason."""
+    db, lc, sched, agents, _ = world
+    pages = []
+    real = jobs.placement_queue
+    monkeypatch.setattr(jobs, "placement_queue", lambda *a, **kw: pages.append(kw) or real(
+        *a, **kw))
+    ids = [lc.submit(spec(f"j{i}", priority=i % 3))["id"] for i in range(40)]
+    sched.tick()                        # the nodes are new: the whole queue, once
+    assert len(pages) == 1 and "limit" not in pages[0]
+    order = [a[0] for a in agents.started]
+    assert len(order) == 2
+    assert all(jobs.get(db, i)["pending_reason"] == "waiting for 1 free GPU on one node"
+               for i in ids if i not in order)
+    while len(agents.started) < 40:
+        running = [a for a in agents.started if jobs.get(db, a[0])["state"] == "DISPATCHED"]
+        lc.started(running[0][0], 1)
+        lc.finished(running[0][0], 1, exit_code=0)
+        pages.clear()
+        sched.tick()
+        # one page with the free slot's room, then one with no room left (empty)
+        assert len(pages) <= 2 and all(p["limit"] == 16 for p in pages)
+    by_priority = sorted(ids, key=lambda i: (-(ids.index(i) % 3), ids.index(i)))
+    assert [a[0] for a in agents.started] == by_priority

@@ -71,7 +71,7 @@ def queued(db):
         "SELECT * FROM jobs WHERE state = 'QUEUED' ORDER BY priority DESC, queued_at, id")]
 
 
-def placement_queue(db, room=None):
+def placement_queue(db, room=None, after=None, limit=None):
     """The queue in placement order, as rows with only what placement reads (id, gpus,
     cpu_only, held, depends_on as stored JSON text, depends_any, pending_reason), nothing
     decoded: the scheduler reads the queue at every pass, and building a dict per job
@@ -79,16 +79,24 @@ def placement_queue(db, room=None):
 
     room=(most free GPUs on one node, a free CPU slot anywhere): leave out the jobs that
     wait only for a slot, cannot fit now and already have a reason (the caller knows it
-    still holds)."""
-    sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason "
-           "FROM jobs WHERE state = 'QUEUED'")
+    still holds). after=(priority, queued_at, id) of the last row read, limit: one page."""
+    sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason, "
+           "priority, queued_at FROM jobs WHERE state = 'QUEUED'")
     args = ()
     if room is not None:
         sql += (" AND (held != 0 OR depends_on IS NULL OR depends_on != '[]'"
                 " OR pending_reason IS NULL OR (cpu_only != 0 AND ?)"
                 " OR (cpu_only = 0 AND gpus <= ?))")
         args = (int(bool(room[1])), int(room[0]))
-    return db.query(sql + " ORDER BY priority DESC, queued_at, id", args)
+    if after is not None:
+        p, q, i = after
+        sql += (" AND (priority < ? OR (priority = ? AND (queued_at > ?"
+                " OR (queued_at = ? AND id > ?))))")
+        args += (p, p, q, q, i)
+    sql += " ORDER BY priority DESC, queued_at, id"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    return db.query(sql, args)
 
 
 def slots_in_use(db):
