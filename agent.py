@@ -1091,6 +1091,8 @@ class Attempt:
         self.ckpt = CheckpointHook(self)
         self.next_hook = 0.0
         self.next_check = 0.0             # exit / liveness check, when no waiter wakes us
+        self.due = 0.0                    # when the runner looks at it next (monotonic)
+        self.poked = False                # its waiter has news: look at it now
         self.inflight = collections.deque()   # (seq, bytes) of log and metric records
         self.draining = False
         self.poll_s = LOG_POLL_MIN_S
@@ -1237,10 +1239,10 @@ class Launcher:
             with open(fd, "rb", buffering=0) as pipe:
                 while pipe.readline():
                     att.started = True
-                    self.wake()
+                    self.wake(att)
         finally:
             att.shim_gone = True
-            self.wake()
+            self.wake(att)
 
     def close(self):
         self._retire()
@@ -2501,7 +2503,7 @@ class Runner(Worker):
             self.launcher = SlurmLauncher(slurm, kill_grace_s, self.wake)
             self.launcher.report = self.reporter.queued_in_slurm
         else:
-            self.launcher = Launcher(kill_grace_s, self.wake,
+            self.launcher = Launcher(kill_grace_s, self.poke,
                                      os.path.join(self.jobs_dir, "shim.err"))
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
@@ -2509,6 +2511,7 @@ class Runner(Worker):
         self.active = {}                   # key -> Attempt (the runner thread's own)
         self._next_retention = 0.0
         self._in_commands = False
+        self._look_all = False
         outbox.ack_listeners.append(self._on_ack)
         self.adopt()
 
@@ -2610,12 +2613,18 @@ class Runner(Worker):
         if self.slurm is not None:
             self.launcher.poll(now)
             due = min(due, self.launcher.due(now))
+        look_all, self._look_all = self._look_all, False
         for key, att in list(self.active.items()):
+            if not (look_all or att.poked or now >= att.due):
+                due = min(due, att.due)     # nothing new of it: each look reads its files
+                continue
+            att.poked = False
             try:
-                due = min(due, self._tick_attempt(att))
+                due = min(due, self._look(att))
             except Exception:
                 log.exception("job %s attempt %s: watch failed", att.job_id, att.attempt)
-                due = min(due, now + RUNNER_ERROR_WAIT_S)
+                att.due = now + RUNNER_ERROR_WAIT_S
+                due = min(due, att.due)
             if att.final:
                 self.active.pop(key, None)
             self._run_commands()        # a start never waits behind another job's backlog
@@ -2734,7 +2743,7 @@ class Runner(Worker):
                 self.launcher.launch(att, spec["exec"])
             else:
                 self.launcher.launch(att, packed)
-        self._tick_attempt(att)
+        self._look(att)
         if att.final:
             del self.active[key]
 
@@ -2768,9 +2777,13 @@ class Runner(Worker):
         if not os.path.exists(att.file("cancel")):
             write_json_atomic(att.file("cancel"), {"requested_at": now_ms()}, private=True)
             log.info("cancelling job %s attempt %s", att.job_id, att.attempt)
-        self._tick_attempt(att)
+        self._look(att)
         if att.final:
             del self.active[key]
+
+    def _look(self, att):
+        att.due = self._tick_attempt(att)
+        return att.due
 
     def _tick_attempt(self, att):
         """Look at one attempt; -> monotonic time it wants looking at again."""
@@ -2823,7 +2836,18 @@ class Runner(Worker):
     def _on_ack(self):
         if self.reporter.held_back:
             self.reporter.held_back = False
-            self._wake.set()
+            self.wake()
+
+    def wake(self):
+        """Look at every attempt at once (an ack freed backlog room, Slurm answered)."""
+        self._look_all = True
+        self._wake.set()
+
+    def poke(self, att):
+        """Look at this attempt at once (its waiter saw the shim's line, or its EOF); the
+        others keep their time."""
+        att.poked = True
+        self._wake.set()
 
     def _next_look(self, att, now, busy):
         # Reading: back off while the log is quiet. Liveness: our own shims wake us; an
