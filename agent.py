@@ -533,6 +533,8 @@ class Outbox:
         self._synced = 0            # bytes of the spool file known to be on disk
         self._file_no = 0           # which spool file that is (a rewrite makes another)
         self.last_job_seq = 0       # seq of the newest `job` record
+        self.loaded_seq = 0         # the last seq the spool held when it was loaded, and
+        self.cursor_checked = False  # whether a server's cursor was checked against it since
         self.listeners = []         # called (outside the lock) after each append
         self.ack_listeners = []     # called (outside the lock) after an ack moved `acked`
         self._load()
@@ -603,6 +605,7 @@ class Outbox:
                 # The server would wait forever for the missing seqs: start over.
                 renumber = self._new_epoch("spool lost" if lost else "gap in spool", len(seqs))
         self._rewrite(renumber=renumber, keep_after=keep_after)   # drops acked and torn lines, writes renumbered seqs
+        self.loaded_seq = self.last_seq
         log.info("outbox: epoch %s, next seq %d, acked %d, %d pending",
                  self.epoch, self.next_seq, self.acked, len(self._offs))
 
@@ -668,6 +671,15 @@ class Outbox:
     @property
     def last_seq(self):
         return self.next_seq - 1
+
+    def last_held_seq(self):
+        """The last seq a server's cursor may reach. Until a first cursor is checked: the
+        last one the spool held at load. state.json's `next_seq` is saved only when the
+        spool is compacted, so a spool that lost its tail (cut, a disk error) hands out
+        again seqs the server has already applied, from records now gone: a cursor past
+        what was loaded says so, and the outbox starts a new epoch instead of sending new
+        records under seqs the server would skip."""
+        return self.last_seq if self.cursor_checked else self.loaded_seq
 
     def sync(self):
         """fsync what was appended since the last sync, outside the lock: one fsync for
@@ -759,6 +771,7 @@ class Outbox:
             keep_after = self.acked
             self._new_epoch(reason, len(self._offs))
             self._rewrite(renumber=True, keep_after=keep_after)
+            self.loaded_seq = self.last_seq
 
     # -- files ---------------------------------------------------------------------------
 
@@ -3844,12 +3857,14 @@ class Connection(Worker):
         if welcome.get("heartbeat_s"):
             self.heartbeat_s = float(welcome["heartbeat_s"])
         with self.outbox.lock:
-            if cursor > self.outbox.last_seq or cursor < self.outbox.acked:
+            held = self.outbox.last_held_seq()
+            if cursor > held or cursor < self.outbox.acked:
                 # the server's cursor does not fit what we hold: renumber and say hello again
                 self.outbox.restart_epoch(f"server cursor {cursor} outside acked "
-                                          f"{self.outbox.acked}..{self.outbox.last_seq}")
+                                          f"{self.outbox.acked}..{held}")
                 return
             self.outbox.ack(cursor)
+            self.outbox.cursor_checked = True
         log.info("connected to %s as %s (cursor %d, %d to send)", self.url,
                  self.config.name, cursor, self.outbox.last_seq - cursor)
         self.connected.set()

@@ -199,3 +199,28 @@ def test_state_json_forgets_attempts_once_their_end_is_recorded(tmp_path, hosts)
     h.outbox.save_state()           # as the next compaction does
     state = json.loads((tmp_path / "home/agent/state.json").read_text())
     assert state["acked"] == h.outbox.last_seq and state["attempts"] == {}
+
+
+def test_a_cut_spool_does_not_hand_out_seqs_the_server_has_applied(tmp_path):
+    """state.json's next_seq is saved only at a compaction, so a spool that lost its tail
+    numbers new records from where it now ends. Until a server's cursor has been checked,
+    the seqs the outbox vouches for stop at what it loaded: a cursor past them (the
+    server applied records the cut took) is outside, and the connection starts a new
+    epoch instead of sending new records under seqs the server would skip."""
+    d = str(tmp_path / "agent")
+    ob = agent.Outbox(d)
+    for i in range(5):
+        ob.append("log", {"job_id": 1, "attempt": 1, "lines": [[i, 0, "x"]]})
+    ob.pending_after(0)                  # synced; the server applies 1..5 (and the
+    #                                      agent dies: state.json still says next_seq 1)
+    with open(ob.spool_path, "rb") as f:
+        lines = f.readlines()
+    with open(ob.spool_path, "wb") as f:
+        f.writelines(lines[:3])          # records 4 and 5 are gone
+    again = agent.Outbox(d)
+    assert again.next_seq == 4 and again.epoch == ob.epoch     # no gap it could see
+    again.append("log", {"job_id": 1, "attempt": 1, "lines": [[9, 0, "new"]]})
+    again.append("log", {"job_id": 1, "attempt": 1, "lines": [[10, 0, "new"]]})
+    assert again.last_seq == 5 and again.last_held_seq() == 3   # cursor 5: outside
+    again.cursor_checked = True          # a cursor within it was checked at hello
+    assert again.last_held_seq() == 5

@@ -38,7 +38,9 @@ def _cut_spool(path, rng, cursor):
                 at_risk.update(int(t.split()[1]) for _no, _ts, t in rec["lines"]
                                if t.startswith("line "))
         pos = end + 1
-    torn = 0 < at < len(data) and data[at - 1:at] != b"\n"
+    # torn: the cut leaves part of a line; a cut just before a line's newline leaves the
+    # whole record (it still parses), so nothing is skipped and nothing warned
+    torn = 0 < at < len(data) and data[at - 1:at] != b"\n" and data[at:at + 1] != b"\n"
     with open(path, "r+b") as f:
         f.truncate(at)
     return len(data), at, torn, at_risk
