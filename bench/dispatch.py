@@ -193,9 +193,14 @@ def main():
         # Debian's task-spooler as a peer: its own server on a socket of this run, `-S`
         # slots, one `tsp CMD` client per job (as GPUPlane has one POST per job); the
         # drain ends when `tsp -l` lists every job finished (looked at every 20 ms).
+        # Its output files (one per job, in TMPDIR) go beside the jobs' working dir, not in
+        # it: the agent walks a job's working dir for TensorBoard files, and 200 more
+        # files there each round made GPUPlane's later rounds slower.
         tsp = shutil.which("tsp") or shutil.which("ts")
-        tsp_env = dict(os.environ, TS_SOCKET=str(work / "tsp.socket"), TS_MAXFINISHED="100000",
-                       TS_SLOTS=str(args.slots), TMPDIR=str(work))
+        tsp_dir = home / "tsp"
+        tsp_dir.mkdir()
+        tsp_env = dict(os.environ, TS_SOCKET=str(tsp_dir / "tsp.socket"),
+                       TS_MAXFINISHED="100000", TS_SLOTS=str(args.slots), TMPDIR=str(tsp_dir))
 
         def tsp_run(*argv):
             return subprocess.run([tsp, *argv], env=tsp_env, cwd=work, check=True,

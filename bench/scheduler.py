@@ -9,7 +9,10 @@ scheduler, and nothing but the freed slot changes). Timed, in the same process:
   read without the jobs that wait only for a slot and have their reason;
 - the same pass reading the whole queue, as every pass did before (the scheduler's
   memory of the nodes cleared before each pass).
-Prints the median of `--passes` passes of each and the ratio.
+Prints the median of `--passes` passes of each and the ratio. Then the pass that follows a
+job's end (one GPU freed, so one job is placed): as the scheduler runs it, reading the
+queue a page at a time (scheduler.QUEUE_PAGE) with the room left after the first page,
+beside the same pass reading the queue in one page, as it did before (2026-12-02).
 """
 import argparse
 import pathlib
@@ -24,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 from gpuplane.config import ServerConfig  # noqa: E402
 from gpuplane.db import Database  # noqa: E402
 from gpuplane.lifecycle import Lifecycle  # noqa: E402
+from gpuplane import scheduler  # noqa: E402
+from gpuplane.db import jobs  # noqa: E402
 from gpuplane.scheduler import Scheduler  # noqa: E402
 
 
@@ -35,9 +40,9 @@ class Agents:
         pass
 
 
-def world(home, queued):
+def world(home, queued, agents=None):
     db = Database(home / "gpuctl.db")
-    lc = Lifecycle(db, agents=Agents())
+    lc = Lifecycle(db, agents=agents or Agents())
     sched = Scheduler(db, lc, ServerConfig(home=str(home), node_grace_s=5))
     lc.node_up({"node": "n1", "epoch": "e", "gpus": [{"index": i} for i in range(4)]})
     lc.node_synced("n1")
@@ -47,7 +52,38 @@ def world(home, queued):
     for _ in range(queued + 4):
         lc.submit(dict(spec))
     sched.tick()                # 4 placed, the rest told why they wait
-    return db, sched
+    return db, sched, lc
+
+
+class Started(Agents):
+    def __init__(self):
+        self.jobs = []
+
+    def start(self, job, token):
+        self.jobs.append(job)
+
+
+def freed_slot_passes(home, queued, passes, page):
+    """Median of `passes` passes that each follow one job's end, reading the queue `page`
+    jobs at a time."""
+    agents = Started()
+    db, sched, lc = world(home, queued, agents)
+    scheduler.QUEUE_PAGE, saved = page, scheduler.QUEUE_PAGE
+    try:
+        out = []
+        for _ in range(passes):
+            job = agents.jobs.pop(0)
+            lc.started(job["id"], job["attempt"])
+            lc.finished(job["id"], job["attempt"], exit_code=0)
+            t0 = time.perf_counter()
+            sched.tick()
+            out.append(time.perf_counter() - t0)
+        assert len(agents.jobs) == 4 and all(
+            j["state"] == "DISPATCHED" for j in map(lambda j: jobs.get(db, j["id"]), agents.jobs))
+    finally:
+        scheduler.QUEUE_PAGE = saved
+        db.close()
+    return statistics.median(out)
 
 
 def timed(fn, passes):
@@ -67,7 +103,7 @@ def main():
     print(f"one scheduler pass (tick), median of {args.passes}, 4 GPUs busy")
     for n in args.queued:
         with tempfile.TemporaryDirectory(prefix="gpuplane-bench-") as home:
-            db, sched = world(pathlib.Path(home), n)
+            db, sched, _lc = world(pathlib.Path(home), n)
 
             def whole():
                 sched._nodes_seen = None
@@ -76,6 +112,16 @@ def main():
             db.close()
         print(f"  {n:5d} queued: {now * 1000:6.2f} ms; reading the whole queue "
               f"{before * 1000:6.2f} ms: {before / now:.1f}x")
+    print(f"one pass after a job's end (a GPU freed: one job placed), median of {args.passes}")
+    for n in args.queued:
+        runs = min(args.passes, n)
+        with tempfile.TemporaryDirectory(prefix="gpuplane-bench-") as home:
+            now = freed_slot_passes(pathlib.Path(home), n, runs, scheduler.QUEUE_PAGE)
+        with tempfile.TemporaryDirectory(prefix="gpuplane-bench-") as home:
+            before = freed_slot_passes(pathlib.Path(home), n, runs, 10 ** 9)
+        print(f"  {n:5d} queued: {now * 1000:6.2f} ms, reading a page of "
+              f"{scheduler.QUEUE_PAGE}; the queue in one read {before * 1000:6.2f} ms: "
+              f"{before / now:.1f}x")
 
 
 if __name__ == "__main__":
