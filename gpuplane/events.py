@@ -153,6 +153,11 @@ class Engine(Worker):
 
     # -- the thread --------------------------------------------------------------------
 
+    def settle_s(self):
+        # a wake takes the hand-offs of the next HANDOFF_BATCH_S with it, unless the
+        # queue is filling up
+        return HANDOFF_BATCH_S if len(self._queue) < QUEUE_MAX // 2 else 0.0
+
     def tick(self):
         if self._dropped:
             n, self._dropped = self._dropped, 0
@@ -160,8 +165,6 @@ class Engine(Worker):
             log.warning("event engine: %d hand-offs dropped (queue full at %d); their "
                         "points are stored, only not checked", n, QUEUE_MAX)
         new = []
-        if self._queue and len(self._queue) < QUEUE_MAX // 2:
-            self._stop.wait(HANDOFF_BATCH_S)
         while self._queue and not self._stop.is_set():
             item = self._queue.popleft()
             self.stats["handoffs"] += 1

@@ -43,8 +43,15 @@ class Worker:
                 self.tick()
             except Exception:
                 log.exception("%s tick failed", self.name)
-            self._wake.wait(self.interval)
+            if self._wake.wait(self.interval):
+                settle = self.settle_s()
+                if settle:
+                    self._stop.wait(settle)     # what arrives meanwhile joins this tick
             self._wake.clear()
+
+    def settle_s(self):
+        """Seconds to let more work arrive after a wake before the tick (0: at once)."""
+        return 0.0
 
     def tick(self):
         raise NotImplementedError
