@@ -533,8 +533,8 @@ class Outbox:
         self._synced = 0            # bytes of the spool file known to be on disk
         self._file_no = 0           # which spool file that is (a rewrite makes another)
         self.last_job_seq = 0       # seq of the newest `job` record
-        self.loaded_seq = 0         # the last seq the spool held when it was loaded, and
-        self.cursor_checked = False  # whether a server's cursor was checked against it since
+        self._loaded_seq = 0        # the last seq the spool held at load; None once a
+                                    # server's cursor was accepted (last_held_seq)
         self.listeners = []         # called (outside the lock) after each append
         self.ack_listeners = []     # called (outside the lock) after an ack moved `acked`
         self._load()
@@ -605,7 +605,7 @@ class Outbox:
                 # The server would wait forever for the missing seqs: start over.
                 renumber = self._new_epoch("spool lost" if lost else "gap in spool", len(seqs))
         self._rewrite(renumber=renumber, keep_after=keep_after)   # drops acked and torn lines, writes renumbered seqs
-        self.loaded_seq = self.last_seq
+        self._loaded_seq = self.last_seq
         log.info("outbox: epoch %s, next seq %d, acked %d, %d pending",
                  self.epoch, self.next_seq, self.acked, len(self._offs))
 
@@ -679,7 +679,18 @@ class Outbox:
         again seqs the server has already applied, from records now gone: a cursor past
         what was loaded says so, and the outbox starts a new epoch instead of sending new
         records under seqs the server would skip."""
-        return self.last_seq if self.cursor_checked else self.loaded_seq
+        return self.last_seq if self._loaded_seq is None else self._loaded_seq
+
+    def accept_cursor(self, cursor):
+        """A server's cursor at its welcome: acked when it fits what the outbox holds
+        (-> None), else why not (-> a sentence: the caller starts a new epoch)."""
+        with self.lock:
+            held = self.last_held_seq()
+            if cursor > held or cursor < self.acked:
+                return f"server cursor {cursor} outside acked {self.acked}..{held}"
+            self.ack(cursor)
+            self._loaded_seq = None
+            return None
 
     def sync(self):
         """fsync what was appended since the last sync, outside the lock: one fsync for
@@ -771,7 +782,7 @@ class Outbox:
             keep_after = self.acked
             self._new_epoch(reason, len(self._offs))
             self._rewrite(renumber=True, keep_after=keep_after)
-            self.loaded_seq = self.last_seq
+            self._loaded_seq = self.last_seq
 
     # -- files ---------------------------------------------------------------------------
 
@@ -1103,7 +1114,6 @@ class Attempt:
         self.tb = TensorBoardHook(self)
         self.ckpt = CheckpointHook(self)
         self.next_hook = 0.0
-        self.next_check = 0.0             # exit / liveness check, when no waiter wakes us
         self.due = 0.0                    # when the runner looks at it next (monotonic)
         self.poked = False                # its waiter has news: look at it now
         self.inflight = collections.deque()   # (seq, bytes) of log and metric records
@@ -3857,14 +3867,11 @@ class Connection(Worker):
         if welcome.get("heartbeat_s"):
             self.heartbeat_s = float(welcome["heartbeat_s"])
         with self.outbox.lock:
-            held = self.outbox.last_held_seq()
-            if cursor > held or cursor < self.outbox.acked:
+            why = self.outbox.accept_cursor(cursor)
+            if why:
                 # the server's cursor does not fit what we hold: renumber and say hello again
-                self.outbox.restart_epoch(f"server cursor {cursor} outside acked "
-                                          f"{self.outbox.acked}..{held}")
+                self.outbox.restart_epoch(why)
                 return
-            self.outbox.ack(cursor)
-            self.outbox.cursor_checked = True
         log.info("connected to %s as %s (cursor %d, %d to send)", self.url,
                  self.config.name, cursor, self.outbox.last_seq - cursor)
         self.connected.set()

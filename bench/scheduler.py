@@ -78,8 +78,7 @@ def freed_slot_passes(home, queued, passes, page):
             t0 = time.perf_counter()
             sched.tick()
             out.append(time.perf_counter() - t0)
-        assert len(agents.jobs) == 4 and all(
-            j["state"] == "DISPATCHED" for j in map(lambda j: jobs.get(db, j["id"]), agents.jobs))
+        assert [jobs.get(db, j["id"])["state"] for j in agents.jobs] == ["DISPATCHED"] * 4
     finally:
         scheduler.QUEUE_PAGE = saved
         db.close()

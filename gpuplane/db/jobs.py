@@ -95,7 +95,8 @@ def placement_queue(db, room=None, after=None, limit=None):
         args += (p, p, q, q, i)
     sql += " ORDER BY priority DESC, queued_at, id"
     if limit is not None:
-        sql += f" LIMIT {int(limit)}"
+        sql += " LIMIT ?"
+        args += (int(limit),)
     return db.query(sql, args)
 
 

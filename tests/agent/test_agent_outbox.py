@@ -222,5 +222,6 @@ def test_a_cut_spool_does_not_hand_out_seqs_the_server_has_applied(tmp_path):
     again.append("log", {"job_id": 1, "attempt": 1, "lines": [[9, 0, "new"]]})
     again.append("log", {"job_id": 1, "attempt": 1, "lines": [[10, 0, "new"]]})
     assert again.last_seq == 5 and again.last_held_seq() == 3   # cursor 5: outside
-    again.cursor_checked = True          # a cursor within it was checked at hello
+    assert again.accept_cursor(5) == "server cursor 5 outside acked 0..3"
+    assert again.accept_cursor(3) is None    # a cursor within it, accepted at hello
     assert again.last_held_seq() == 5
