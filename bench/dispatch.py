@@ -12,7 +12,10 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
    the POST), median and p95;
 2. the time to drain `--drain` trivial jobs through `--slots` GPU slots, `--rounds`
    times, each beside a direct drain of the same commands (`--slots` subprocess.run at a
-   time), the two alternated (G D, D G, ...), with the CPU of each part;
+   time), the two alternated (G D, D G, ...), with the CPU of each part and the whole
+   machine's busy CPU over each drain (/proc/stat: on a machine with fewer cores than
+   slots a drain is bound by it, and the ratio of two drains follows the ratio of their
+   CPU);
 and, as the baselines in the same run, the bare cost of starting the same processes with
 subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
 of this run; skipped, saying so, where `tsp` is not installed) draining the same commands,
@@ -108,6 +111,14 @@ def drained(s, url, ids):
     jobs = s.get(f"{url}/api/v1/jobs?limit={len(ids) + 10}", timeout=10).json()["jobs"]
     done = [j for j in jobs if j["id"] in set(ids) and j["state"] == "SUCCEEDED"]
     return done if len(done) == len(ids) else None
+
+
+def machine_busy():
+    """CPU seconds the whole machine has spent busy (all but idle and iowait), from
+    /proc/stat: what a drain cost in all, its client and any daemon included."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values, p):
@@ -229,12 +240,17 @@ def main():
             tsp_run("-S", str(args.slots))        # starts its server with that many slots
         peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain)] + (
             [("tsp", tsp_drain)] if tsp else [])
-        rounds = []
+        rounds, machine = [], []
         for i in range(args.rounds):
             # each round starts with another of them (G D T, D T G, T G D, ...)
             order = peers[i % len(peers):] + peers[:i % len(peers)]
-            got = {name: fn() for name, fn in order}
+            got, busy = {}, {}
+            for name, fn in order:
+                b0 = machine_busy()
+                got[name] = fn()
+                busy[name] = machine_busy() - b0
             rounds.append((got["gpuplane"], got["direct"], got.get("tsp")))
+            machine.append(busy)
         if tsp:
             subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
     finally:
@@ -260,6 +276,8 @@ def main():
         print("             CPU: gpuplane " + ", ".join(f"{k} {v:.2f} s" for k, v in g_cpu.items())
               + f"; direct: the jobs {d_cpu:.2f} s"
               + (f"; task-spooler: the jobs {t[1]:.2f} s" if t else ""))
+        print("             the machine's busy CPU over each drain: "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in machine[i - 1].items()))
         print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
               f" → the next start at the agent {next_start:.0f} ms")
     ratios = [g[0] / d[0] for g, d, _ in rounds]
