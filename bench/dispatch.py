@@ -114,11 +114,12 @@ def drained(s, url, ids):
 
 
 def machine_busy():
-    """CPU seconds the whole machine has spent busy (all but idle and iowait), from
-    /proc/stat: what a drain cost in all, its client and any daemon included."""
+    """CPU seconds the whole machine has spent busy, from /proc/stat's first line (user,
+    nice, system, irq and softirq; not idle, iowait, nor steal: time a VM wanted and did
+    not get): what a drain cost in all, its client and any daemon included."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values, p):
@@ -240,7 +241,7 @@ def main():
             tsp_run("-S", str(args.slots))        # starts its server with that many slots
         peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain)] + (
             [("tsp", tsp_drain)] if tsp else [])
-        rounds, machine = [], []
+        rounds = []
         for i in range(args.rounds):
             # each round starts with another of them (G D T, D T G, T G D, ...)
             order = peers[i % len(peers):] + peers[:i % len(peers)]
@@ -249,8 +250,7 @@ def main():
                 b0 = machine_busy()
                 got[name] = fn()
                 busy[name] = machine_busy() - b0
-            rounds.append((got["gpuplane"], got["direct"], got.get("tsp")))
-            machine.append(busy)
+            rounds.append((got["gpuplane"], got["direct"], got.get("tsp"), busy))
         if tsp:
             subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
     finally:
@@ -268,7 +268,7 @@ def main():
     print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
     print(f"drain {args.drain} trivial jobs through {args.slots} slots, {args.rounds} rounds "
           "alternated with the direct drain")
-    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu), t) in enumerate(rounds, 1):
+    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu), t, busy) in enumerate(rounds, 1):
         print(f"  round {i}  : gpuplane {g_s:.2f} s, direct {d_s:.2f} s "
               f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x"
               + (f"; task-spooler {t[0]:.2f} s (tsp -S {args.slots}): gpuplane "
@@ -277,15 +277,15 @@ def main():
               + f"; direct: the jobs {d_cpu:.2f} s"
               + (f"; task-spooler: the jobs {t[1]:.2f} s" if t else ""))
         print("             the machine's busy CPU over each drain: "
-              + ", ".join(f"{k} {v:.2f} s" for k, v in machine[i - 1].items()))
+              + ", ".join(f"{k} {v:.2f} s" for k, v in busy.items()))
         print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
               f" → the next start at the agent {next_start:.0f} ms")
-    ratios = [g[0] / d[0] for g, d, _ in rounds]
+    ratios = [g[0] / d[0] for g, d, _, _ in rounds]
     print(f"  ratio    : median {statistics.median(ratios):.2f}x "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
     if rounds and rounds[0][2] is not None:
-        vs = [g[0] / t[0] for g, _, t in rounds]
-        tr = [t[0] / d[0] for _, d, t in rounds]
+        vs = [g[0] / t[0] for g, _, t, _ in rounds]
+        tr = [t[0] / d[0] for _, d, t, _ in rounds]
         print(f"  vs tsp   : gpuplane median {statistics.median(vs):.2f}x task-spooler "
               f"(range {min(vs):.2f}-{max(vs):.2f}x); task-spooler median "
               f"{statistics.median(tr):.2f}x direct")
