@@ -54,7 +54,7 @@ def create_app(home=None, start_threads=True, **overrides):
     lifecycle = Lifecycle(db, publish=hub.publish)
     gateway = Gateway(db, hub, cfg, lifecycle)
     scheduler = Scheduler(db, lifecycle, cfg, is_connected=gateway.connected)
-    lifecycle.bind(wake=scheduler.wake, agents=gateway)
+    lifecycle.bind(wake=scheduler.wake, waits=scheduler.waits, agents=gateway)
     rollup = Rollup(db, cfg)
     from .streams import StreamSlots
     slots = StreamSlots(cfg["threads"], cfg["agent_threads"], cfg["rest_threads"])

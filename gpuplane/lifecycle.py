@@ -8,8 +8,10 @@ or the queue changed, agent commands go to the gateway, and every `on_event` lis
 each event dict. A rolled-back transition sets off nothing.
 
 This module decides which state follows which; gpuplane/db/ holds the SQL. It knows the
-scheduler and the gateway only as what app.py binds: a `wake()` callable and an `agents`
-object with `start(job, ingest_token)` and `cancel(node, job_id, attempt)`.
+scheduler and the gateway only as what app.py binds: a `wake()` callable, a `waits(job)`
+one (Scheduler.waits: a job just queued that a pass would only tell why it waits gets its
+reason in its own transaction, and sets off no pass), and an `agents` object with
+`start(job, ingest_token)` and `cancel(node, job_id, attempt)`.
 
 A transition can also run inside a bigger transaction (the gateway applies an agent's
 batch and advances its cursor atomically): pass the `Tx` of `lifecycle.transaction()` as
@@ -43,6 +45,7 @@ class Tx:
         self.events = []
         self.commands = []
         self.wake = False
+        self.moved = []         # Scheduler.waits()'s checks: any true after commit wakes it
         self.publish = False
 
     @contextlib.contextmanager
@@ -65,15 +68,18 @@ class Lifecycle:
         self.db = db
         self._publish = publish
         self._wake = wake
+        self._waits = None
         self.agents = agents
         self._listeners = []
 
-    def bind(self, *, publish=None, wake=None, agents=None):
+    def bind(self, *, publish=None, wake=None, waits=None, agents=None):
         """Wire the consequences (app.py does this once the pieces exist)."""
         if publish is not None:
             self._publish = publish
         if wake is not None:
             self._wake = wake
+        if waits is not None:
+            self._waits = waits
         if agents is not None:
             self.agents = agents
 
@@ -108,7 +114,7 @@ class Lifecycle:
     def _after(self, t):
         if (t.events or t.publish) and self._publish is not None:
             self._publish()
-        if t.wake:
+        if t.wake or any(moved() for moved in t.moved):
             self.wake_scheduler()
         for command in t.commands:
             try:
@@ -145,8 +151,13 @@ class Lifecycle:
         with self._tx(t) as t:
             job_id = jobs.insert(t.conn, spec, now_ms())
             job = jobs.fetch(t.conn, job_id)
+            waits = self._waits(job) if self._waits is not None else None
+            if waits is not None:
+                job["pending_reason"], moved = waits
+                jobs.set_pending_reason(t.conn, job_id, job["pending_reason"])
+                t.moved.append(moved)
             self._event(t, QUEUED, f"job {job_id} ({job['name']}) queued"
-                        + (" held" if job["held"] else ""), job=job)
+                        + (" held" if job["held"] else ""), job=job, wake=waits is None)
         return job
 
     def assign(self, job_id, node, gpu_indices, t=None):

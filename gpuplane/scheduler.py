@@ -11,6 +11,7 @@ gateway); the scheduler does not know the gateway. `is_connected(node)` (app.py 
 gateway's) says whether a node's agent holds a connection in this process right now.
 """
 import logging
+import threading
 
 from . import states
 from .db import jobs, loads, nodes, now_ms
@@ -33,6 +34,11 @@ class Scheduler(Worker):
         self.is_connected = is_connected or (lambda node: True)
         self._nodes_seen = None     # the nodes as the last pass saw them (schedule)
         self._slurm = set()         # nodes whose agent submits to Slurm (docs/slurm.md)
+        # What the last pass left (waits()): the wakes counted when it began, the most free
+        # GPUs on one node, whether a CPU slot was free, and the nodes it saw.
+        self._lock = threading.Lock()
+        self._wakes = 0
+        self._left = None
 
     def start(self):
         # A new server process holds no agent connection yet, whatever the database says
@@ -40,6 +46,38 @@ class Scheduler(Worker):
         # that never comes back still has its jobs declared NODE_LOST.
         self.lifecycle.server_started()
         super().start()
+
+    def wake(self):
+        """Something may have freed room or queued a job that needs a pass: a job ended, a
+        node came, a job was released (lifecycle); count it, then wake the thread."""
+        with self._lock:
+            self._wakes += 1
+        super().wake()
+
+    def waits(self, job):
+        """For a job just queued (inside its submit transaction): -> (its pending_reason,
+        `moved()`), when a pass would only say why it waits: the last pass left no room it
+        fits and nothing has woken the scheduler since (every change that frees room does),
+        so the submit need not set off a pass (a drain of short jobs queued faster than
+        they run paid one per submit). `moved()`, called after the commit, says whether
+        something woke the scheduler meanwhile: the pass it set off may have read the
+        queue before this job was in it, so the caller wakes it again. None: wake it."""
+        if job["held"] or job["depends_on"]:
+            return None
+        with self._lock:
+            left, wakes = self._left, self._wakes
+        if left is None or left[0] != wakes:
+            return None
+        _, most_gpus, cpu_room, all_nodes = left
+        cpu_only = bool(job["cpu_only"])
+        if (cpu_room if cpu_only else job["gpus"] <= most_gpus):
+            return None
+        reason = self._why_waiting({"gpus": job["gpus"], "cpu_only": cpu_only}, all_nodes)
+
+        def moved():
+            with self._lock:
+                return self._wakes != wakes
+        return reason, moved
 
     def tick(self):
         all_nodes = nodes.list_nodes(self.db)
@@ -84,6 +122,8 @@ class Scheduler(Worker):
         return free, all_nodes
 
     def schedule(self, all_nodes=None):
+        with self._lock:
+            wakes = self._wakes     # what a wake from here on may change, a pass reads again
         free, all_nodes = self.free_slots(all_nodes)
         most_gpus, cpu_room = self._room(free)
         # Why a job waits for a slot depends on its shape and on the nodes: while they
@@ -130,6 +170,8 @@ class Scheduler(Worker):
         if reasons:
             jobs.set_pending_reasons(self.db, reasons)
         self._nodes_seen = nodes_seen
+        with self._lock:
+            self._left = (wakes, most_gpus, cpu_room, all_nodes)
 
     def _queue(self, room):
         """The queue in placement order. While the nodes are as the last pass saw them

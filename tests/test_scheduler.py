@@ -187,3 +187,50 @@ def test_a_long_queue_is_read_a_page_at_a_time_and_still_placed_in_order(world, 
         assert len(pages) <= 2 and all(p["limit"] == 16 for p in pages)
     by_priority = sorted(ids, key=lambda i: (-(ids.index(i) % 3), ids.index(i)))
     assert [a[0] for a in agents.started] == by_priority
+
+
+def test_a_job_queued_while_no_slot_fits_it_gets_its_reason_without_a_pass(world):
+    db, lc, sched, agents, _ = world
+    lc.bind(waits=sched.waits)
+    lc.submit(spec("a"))
+    lc.submit(spec("b"))
+    sched.tick()                        # both GPUs taken: the pass leaves no room
+    assert len(agents.started) == 2
+    wakes = sched._wakes
+    late = lc.submit(spec("late"))
+    # it says why it waits from its submit on, and woke nobody: a pass would only say so
+    assert late["pending_reason"] == "waiting for 1 free GPU on one node"
+    assert jobs.get(db, late["id"])["pending_reason"] == late["pending_reason"]
+    assert sched._wakes == wakes
+    # a job the last pass left room for, or one with more than a slot to wait for,
+    # wakes the scheduler as before
+    cpu = lc.submit(spec("cpu", gpus=0))
+    assert cpu["pending_reason"] is None and sched._wakes == wakes + 1
+    sched.tick()
+    wakes = sched._wakes
+    held = lc.submit(dict(spec("held"), held=True))
+    assert held["pending_reason"] is None and sched._wakes == wakes + 1
+    # a slot freed (a wake) since the last pass: the next submit sets off a pass that
+    # places it
+    first = agents.started[0][0]
+    lc.started(first, 1)
+    lc.finished(first, 1, exit_code=0)
+    sched.tick()
+    assert agents.started[-1][0] == late["id"]
+    nxt = lc.submit(spec("next"))
+    assert nxt["pending_reason"] == "waiting for 1 free GPU on one node"
+
+
+def test_a_wake_during_the_submit_transaction_wakes_the_scheduler_after_its_commit(world):
+    db, lc, sched, agents, _ = world
+    lc.bind(waits=sched.waits)
+    lc.submit(spec("a"))
+    lc.submit(spec("b"))
+    sched.tick()
+    wakes = sched._wakes
+    with lc.transaction() as t:
+        lc.submit(spec("c"), t=t)
+        # a job ends meanwhile: its pass may have read the queue before "c" was in it
+        sched.wake()
+        assert sched._wakes == wakes + 1
+    assert sched._wakes == wakes + 2     # woken again once "c" is committed

@@ -123,6 +123,12 @@ def set_pending_reasons(db, reasons):
                       [(reason, job_id) for job_id, reason in reasons.items()])
 
 
+def set_pending_reason(conn, job_id, reason):
+    """set_pending_reasons() for one job, inside the caller's transaction."""
+    conn.execute("UPDATE jobs SET pending_reason = ? WHERE id = ? AND state = 'QUEUED'",
+                 (reason, job_id))
+
+
 # -- state changes (inside the caller's transaction; called by gpuplane/lifecycle.py) --
 
 def insert(conn, spec, ts):
