@@ -20,7 +20,9 @@ and, as the baselines in the same run, the bare cost of starting the same proces
 subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
 of this run; skipped, saying so, where `tsp` is not installed) draining the same commands,
 the three rotated (G D T, D T G, T G D, ...). Prints each, the ratio of each round and
-their median.
+their median, each drain's busy CPU a job beyond the direct one's, and
+3. the floor of this stack: the CPU of one keep-alive REST request that touches no
+   database (GET /api/v1/health), the server's and the client's.
 """
 import argparse
 import concurrent.futures
@@ -120,6 +122,24 @@ def machine_busy():
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def rest_floor(s, url, procs, n):
+    """CPU ms of one keep-alive GET /api/v1/health (no auth, no database), over `n`:
+    (server, this client)."""
+    import psutil
+    server = psutil.Process(procs[1].pid)
+    tree = [server] + server.children(recursive=True)
+    me = psutil.Process()
+
+    def cpu():
+        return (sum(sum(p.cpu_times()[:2]) for p in tree), sum(me.cpu_times()[:2]))
+    s.get(url + "/api/v1/health", timeout=5)
+    (s0, c0) = cpu()
+    for _ in range(n):
+        s.get(url + "/api/v1/health", timeout=5).raise_for_status()
+    (s1, c1) = cpu()
+    return (s1 - s0) / n * 1000, (c1 - c0) / n * 1000
 
 
 def pct(values, p):
@@ -253,6 +273,10 @@ def main():
             rounds.append((got["gpuplane"], got["direct"], got.get("tsp"), busy))
         if tsp:
             subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
+
+        # 3. the floor of one REST request on this stack: what any job submitted through
+        # the API pays before GPUPlane does anything (gunicorn + Flask + requests)
+        floor = rest_floor(s, url, procs, args.drain)
     finally:
         for p in procs:
             stop_server(p)          # both run as their own process group
@@ -280,17 +304,25 @@ def main():
               + ", ".join(f"{k} {v:.2f} s" for k, v in busy.items()))
         print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
               f" → the next start at the agent {next_start:.0f} ms")
+        print("             the machine's busy CPU a job beyond the direct drain's: gpuplane "
+              f"{(busy['gpuplane'] - busy['direct']) / args.drain * 1000:.1f} ms"
+              + (f", task-spooler {(busy['tsp'] - busy['direct']) / args.drain * 1000:.1f} ms"
+                 " (its clients and `tsp -l` included)" if t else ""))
     ratios = [g[0] / d[0] for g, d, _, _ in rounds]
-    print(f"  ratio    : median {statistics.median(ratios):.2f}x "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
-    if rounds and rounds[0][2] is not None:
+    if ratios:
+        print(f"  ratio    : median {statistics.median(ratios):.2f}x "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
+    if not tsp:
+        print("  task-spooler: skipped (no `tsp` on PATH: apt-get install task-spooler)")
+    elif rounds:
         vs = [g[0] / t[0] for g, _, t, _ in rounds]
         tr = [t[0] / d[0] for _, d, t, _ in rounds]
         print(f"  vs tsp   : gpuplane median {statistics.median(vs):.2f}x task-spooler "
               f"(range {min(vs):.2f}-{max(vs):.2f}x); task-spooler median "
               f"{statistics.median(tr):.2f}x direct")
-    else:
-        print("  task-spooler: skipped (no `tsp` on PATH: apt-get install task-spooler)")
+    print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {args.drain} "
+          f"times) costs {floor[0]:.2f} ms of the server's CPU and {floor[1]:.2f} ms of the "
+          "client's")
 
 if __name__ == "__main__":
     main()
