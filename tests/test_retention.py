@@ -19,6 +19,27 @@ def test_a_policy_that_keeps_nothing_is_refused():
     assert retention.parse_policy({"keep_best": 2}) == {"keep_best": 2, "keep_last": 1}
 
 
+def test_only_the_jobs_with_a_policy_are_read_whole_when_they_end(tmp_path):
+    from gpuplane.db import Database, projects
+    from gpuplane.lifecycle import Lifecycle
+    db = Database(tmp_path / "gpuctl.db")
+    lc = Lifecycle(db)
+
+    def job(name, experiment="", **extra):
+        return lc.submit({"name": name, "command": ["true"], "working_dir": "/w", "gpus": 1,
+                          "cpu_only": False, "priority": 0, "max_attempts": 1, "env": {},
+                          "project": "default", "experiment": experiment, **extra})["id"]
+    plain = job("plain")
+    own = job("own", retention={"keep_best": 1, "keep_last": 1})
+    in_exp = job("in-exp", experiment="kept")
+    other_exp = job("other-exp", experiment="free")
+    evaluate = job("eval", experiment="kept", kind="EVALUATE")
+    projects.set_experiment_retention(db, "default", "kept", {"keep_best": 2, "keep_last": 1})
+    r = retention.Retention(db, lc, None)
+    assert list(r._with_policy(sorted([plain, own, in_exp, other_exp, evaluate]))) == [
+        own, in_exp]
+
+
 def test_plan_keeps_the_best_the_last_evaluated_pinned_and_outside_ones():
     ck = [{"id": i, "run_id": 1 if i < 6 else 2, "path": f"/w/c{i}.pt", "step": i * 10}
           for i in range(1, 9)]
