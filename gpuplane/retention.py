@@ -211,20 +211,15 @@ class Retention(Worker):
                 log.exception("job %d: retention failed", job_id)
 
     def _with_policy(self, ids):
-        """The jobs of `ids` that have a retention policy (policy_of), read a chunk at a
-        time with only what it needs: most jobs have none, and a drain of short jobs
-        read each whole job as it ended."""
+        """The jobs of `ids` that have a retention policy (policy_of), read with only what
+        that needs: most jobs have none, and a drain of short jobs read each whole job as
+        it ended."""
         policies = {}           # (retention, project, experiment) -> policy_of()
-        for at in range(0, len(ids), 500):
-            chunk = ids[at:at + 500]
-            rows = self.db.query(
-                "SELECT id, kind, retention, project, experiment FROM jobs WHERE id IN "
-                f"({','.join('?' * len(chunk))}) AND kind IS NOT 'EVALUATE'", chunk)
-            for r in rows:
-                key = (r["retention"], r["project"], r["experiment"])
-                if key not in policies:
-                    policies[key] = policy_of(self.db, {
-                        "retention": loads(r["retention"]), "project": r["project"],
-                        "experiment": r["experiment"]})
-                if policies[key]:
-                    yield r["id"]
+        for job_id, *key in jobs.retention_keys(self.db, ids):
+            key = tuple(key)
+            if key not in policies:
+                stored, project, experiment = key
+                policies[key] = policy_of(self.db, {
+                    "retention": loads(stored), "project": project, "experiment": experiment})
+            if policies[key]:
+                yield job_id

@@ -100,6 +100,18 @@ def placement_queue(db, room=None, after=None, limit=None):
     return db.query(sql, args)
 
 
+def retention_keys(db, ids):
+    """[(id, retention as stored JSON text, project, experiment)] of the jobs `ids` that are
+    not EVALUATE jobs: what deciding whether a job has a retention policy reads."""
+    out = []
+    for at in range(0, len(ids), 500):
+        chunk = list(ids[at:at + 500])
+        out += [tuple(r) for r in db.query(
+            "SELECT id, retention, project, experiment FROM jobs WHERE id IN "
+            f"({','.join('?' * len(chunk))}) AND kind IS NOT 'EVALUATE'", chunk)]
+    return out
+
+
 def slots_in_use(db):
     """[(node, gpu indices, cpu_only)] of the jobs holding slots (DISPATCHED, RUNNING):
     what the scheduler subtracts at every pass, without decoding each job."""
