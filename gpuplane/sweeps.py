@@ -19,7 +19,7 @@ import shlex
 import string
 
 from . import pruning
-from .db import jobs, metric_defs, metrics, sweeps as db_sweeps
+from .db import metric_defs, metrics, sweeps as db_sweeps
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -321,10 +321,12 @@ class Sweeper(Worker):
         self._any_running = True  # until the first pass has looked
 
     def offer_lifecycle(self, event):
-        """lifecycle.on_event listener: a job changed, maybe a trial's (with no sweep
-        running, none is: the API wakes this thread when a sweep starts)."""
+        """lifecycle.on_event listener: a job ended or was re-queued, maybe a trial's
+        (with no sweep running, none is: the API wakes this thread when a sweep starts).
+        A start changes nothing a pass decides on (a queued trial counts as one running)
+        and early stopping looks every `interval`."""
         if self._any_running and event.get("job_id") is not None and event["type"] in (
-                "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED", "STARTED"):
+                "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED"):
             self.wake()
 
     def tick(self):
@@ -348,16 +350,16 @@ class Sweeper(Worker):
         return entry[1]
 
     def step(self, sweep):
-        trials = db_sweeps.trials(self.db, sweep["id"])
         spec = sweep["spec"]
         es = spec.get("early_stopping")
         if es:
-            self.early_stop(sweep, trials, es)
-            trials = db_sweeps.trials(self.db, sweep["id"])
-        failed = [t for t in trials if t["job_state"] == "FAILED" and not t["retry"]]
-        succeeded = [t for t in trials if t["job_state"] == "SUCCEEDED"
-                     or (t["job_state"] == "CANCELLED" and t["stopped"])]
-        if len(failed) >= FAIL_FAST and not succeeded:
+            self.early_stop(sweep, db_sweeps.trials(self.db, sweep["id"]), es)
+        # the pass after every trial's end: counted in SQL, not read trial by trial (a
+        # sweep of short trials read all of them at each)
+        n = db_sweeps.tally(self.db, sweep["id"])
+        if n["failed"] >= FAIL_FAST and not n["succeeded"]:
+            failed = [t for t in db_sweeps.trials(self.db, sweep["id"])
+                      if t["job_state"] == "FAILED" and not t["retry"]]
             said = "; ".join(f"job {t['job_id']}: {t['failure_kind'] or 'FAILED'}"
                              + (f" (exit {t['exit_code']})" if t["exit_code"] not in (None, 0)
                                 else "") for t in failed[:FAIL_FAST])
@@ -369,18 +371,17 @@ class Sweeper(Worker):
                 t.publish = True
             log.warning("sweep %d stopped: %s", sweep["id"], reason)
             return
-        active = sum(1 for t in trials if t["job_state"] in ("QUEUED",) + jobs.ACTIVE)
-        room = spec["parallel"] - active
-        todo = [t for t in trials if t["retry"]] + [t for t in trials if t["job_id"] is None]
-        for trial in todo[:max(0, room)]:
+        room = spec["parallel"] - n["active"]
+        for trial in db_sweeps.next_trials(self.db, sweep["id"], room) if room > 0 else ():
             self.launch(sweep, trial)
-        if not todo and not active:
+        if not n["todo"] and not n["active"]:
             with self.lifecycle.transaction() as t:
                 db_sweeps.set_state(t.conn, sweep["id"], "DONE")
                 t.publish = True
-            ended = {t["run_id"] for t in trials}
-            for k in [k for k in self._curves if k[0] in ended]:
-                del self._curves[k]         # a finished sweep's curves are not read again
+            if self._curves:
+                ended = {t["run_id"] for t in db_sweeps.trials(self.db, sweep["id"])}
+                for k in [k for k in self._curves if k[0] in ended]:
+                    del self._curves[k]     # a finished sweep's curves are not read again
 
     def launch(self, sweep, trial):
         with self.lifecycle.transaction() as t:

@@ -76,6 +76,35 @@ def curve(f, steps):
     return [(s, f(s)) for s in steps]
 
 
+def test_a_pass_counts_the_trials_as_reading_each_would(tmp_path):
+    from gpuplane.db import Database, sweeps as db_sweeps
+    from gpuplane.lifecycle import Lifecycle
+    db = Database(tmp_path / "gpuctl.db")
+    lc = Lifecycle(db)
+    spec = {"name": "t", "command": ["true"], "working_dir": "/w", "gpus": 1,
+            "cpu_only": False, "priority": 0, "max_attempts": 1, "env": {},
+            "project": "default", "experiment": ""}
+    with lc.transaction() as t:
+        sid = db_sweeps.create(t.conn, "s", "default", "", {}, [{"i": i} for i in range(7)])
+    trials = db_sweeps.trials(db, sid)
+    # 0 queued, 1 running, 2 succeeded, 3 failed, 4 failed and marked for a re-run,
+    # 5 stopped early, 6 never launched
+    ids = [lc.submit(dict(spec, name=f"j{i}"))["id"] for i in range(6)]
+    with lc.transaction() as t:
+        for trial, job_id in zip(trials, ids):
+            db_sweeps.set_trial_job(t.conn, trial["id"], job_id)
+        for n, state in ((1, "RUNNING"), (2, "SUCCEEDED"), (3, "FAILED"), (4, "FAILED"),
+                         (5, "CANCELLED")):
+            t.conn.execute("UPDATE jobs SET state = ? WHERE id = ?", (state, ids[n]))
+        db_sweeps.set_trial_retry(t.conn, trials[4]["id"], True)
+        db_sweeps.set_trial_stopped(t.conn, trials[5]["id"], {"rule": "asha"})
+    assert db_sweeps.tally(db, sid) == {"trials": 7, "active": 2, "failed": 1,
+                                        "succeeded": 2, "todo": 2}
+    # the re-run first, then those never launched, up to the room
+    assert [t["number"] for t in db_sweeps.next_trials(db, sid, 5)] == [4, 6]
+    assert [t["number"] for t in db_sweeps.next_trials(db, sid, 1)] == [4]
+
+
 def test_median_rule_compares_the_best_so_far_with_the_median_at_that_step():
     good = [curve(lambda s, k=k: 1 / s + k, range(1, 21)) for k in (0.0, 0.1, 0.2)]
     bad = curve(lambda s: 1 / s + 0.5, range(1, 11))

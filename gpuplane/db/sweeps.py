@@ -1,7 +1,7 @@
 """Sweeps and their trials: the rows and their SQL. What a sweep does (launching trials,
 early stopping, stopping when its trials fail) is decided in gpuplane/sweeps.py; job state
 changes go through gpuplane/lifecycle.py."""
-from ..states import SWEEP_ACTIVE, SWEEP_FINAL
+from ..states import CANCELLED, FAILED, JOB_ACTIVE, QUEUED, SUCCEEDED, SWEEP_ACTIVE, SWEEP_FINAL
 from . import dumps, loads, now_ms, projects
 
 ACTIVE = SWEEP_ACTIVE               # a sweep that still launches trials
@@ -85,6 +85,30 @@ def trials(db, sweep_id):
         d["job_stop_reason"] = loads(d.get("job_stop_reason"))
         out.append(d)
     return out
+
+
+def tally(db, sweep_id):
+    """What a sweep's pass decides on, counted without reading every trial: `active`
+    (its job queued or holding a slot), `failed` (not marked for a re-run), `succeeded`
+    (or stopped early), `todo` (marked for a re-run, or never launched)."""
+    row = db.query_one(
+        "SELECT count(*) AS trials,"
+        " coalesce(sum(j.state IN (?, ?, ?)), 0) AS active,"
+        " coalesce(sum(j.state = ? AND t.retry = 0), 0) AS failed,"
+        " coalesce(sum(j.state = ? OR (j.state = ?"
+        "   AND t.stopped IS NOT NULL AND t.stopped != 'null')), 0) AS succeeded,"
+        " coalesce(sum(t.retry != 0 OR t.job_id IS NULL), 0) AS todo"
+        " FROM sweep_trials t LEFT JOIN jobs j ON j.id = t.job_id WHERE t.sweep_id = ?",
+        (QUEUED, *JOB_ACTIVE, FAILED, SUCCEEDED, CANCELLED, sweep_id))
+    return dict(row)
+
+
+def next_trials(db, sweep_id, limit):
+    """Up to `limit` trials to launch, in launch order: those marked for a re-run first,
+    then those never launched."""
+    return [_trial(r) for r in db.query(
+        _TRIALS + " WHERE t.sweep_id = ? AND (t.retry != 0 OR t.job_id IS NULL)"
+        " ORDER BY t.retry != 0 DESC, t.number LIMIT ?", (sweep_id, int(limit)))]
 
 
 def trial_of_job(conn, job_id):
