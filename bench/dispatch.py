@@ -19,8 +19,10 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
 and, as the baselines in the same run, the bare cost of starting the same processes with
 subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
 of this run; skipped, saying so, where `tsp` is not installed) draining the same commands,
-the three rotated (G D T, D T G, T G D, ...). Prints each, the ratio of each round and
-their median, each drain's busy CPU a job beyond the direct one's, and
+and the same commands as one sweep's trials (parallel = slots: no POST a job, each
+trial launched by the sweeper as one ends), the four rotated (G D S T, D S T G, ...).
+Prints each, the ratio of each round and their median, each drain's busy CPU a job
+beyond the direct one's, and
 3. the floor of this stack: the CPU of one keep-alive REST request that touches no
    database (GET /api/v1/health), the server's and the client's.
 """
@@ -211,6 +213,29 @@ def main():
             cpu1 = cpu_split(procs, agent)
             return seconds, {k: cpu1[k] - cpu0[k] for k in cpu0}, turnover(home, done)
 
+        def sweep_drain():
+            # The same commands as a sweep's trials (parallel = slots): no POST per job,
+            # and each trial is launched by the sweeper when one ends. Ends at the last
+            # trial's `ended_at`, once the sweep is DONE (polled every 0.5 s).
+            t0 = time.time()
+            r = s.post(url + "/api/v1/sweeps", json={
+                "name": "drain", "command": trivial + ["{i}"], "gpus": 1,
+                "working_dir": str(work), "parameters": {"i": list(range(args.drain))},
+                "parallel": args.slots}, timeout=30)
+            r.raise_for_status()
+            sweep_id = r.json()["id"]
+            def ended():        # the list, newest first: lighter than the sweep's view
+                sw = s.get(f"{url}/api/v1/sweeps?limit=1", timeout=5).json()["sweeps"][0]
+                return sw["id"] == sweep_id and sw["state"] in ("DONE", "STOPPED", "CANCELLED")
+            wait(ended, timeout=600, what=f"sweep {sweep_id} done", every=0.5)
+            state = s.get(f"{url}/api/v1/sweeps/{sweep_id}", timeout=30).json()
+            ends = [t["ended_at"] for t in state["trials_detail"]
+                    if t["job_state"] == "SUCCEEDED"]
+            if len(ends) != args.drain:
+                raise SystemExit(f"sweep {sweep_id} ended {state['state']} with "
+                                 f"{len(ends)} of {args.drain} trials succeeded")
+            return max(ends) / 1000 - t0
+
         def direct_drain():
             import resource
             r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -259,7 +284,8 @@ def main():
 
         if tsp:
             tsp_run("-S", str(args.slots))        # starts its server with that many slots
-        peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain)] + (
+        peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain),
+                 ("sweep", sweep_drain)] + (
             [("tsp", tsp_drain)] if tsp else [])
         rounds = []
         for i in range(args.rounds):
@@ -270,7 +296,7 @@ def main():
                 b0 = machine_busy()
                 got[name] = fn()
                 busy[name] = machine_busy() - b0
-            rounds.append((got["gpuplane"], got["direct"], got.get("tsp"), busy))
+            rounds.append((got["gpuplane"], got["direct"], got.get("tsp"), busy, got["sweep"]))
         if tsp:
             subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
 
@@ -292,11 +318,15 @@ def main():
     print(f"  ratio    : {statistics.median(lat) / statistics.median(direct):.1f}x (median)")
     print(f"drain {args.drain} trivial jobs through {args.slots} slots, {args.rounds} rounds "
           "alternated with the direct drain")
-    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu), t, busy) in enumerate(rounds, 1):
+    for i, ((g_s, g_cpu, (reported, next_start)), (d_s, d_cpu), t, busy, sw) in enumerate(
+            rounds, 1):
         print(f"  round {i}  : gpuplane {g_s:.2f} s, direct {d_s:.2f} s "
               f"({args.slots} subprocess.run at a time): {g_s / d_s:.2f}x"
               + (f"; task-spooler {t[0]:.2f} s (tsp -S {args.slots}): gpuplane "
                  f"{g_s / t[0]:.2f}x it, it {t[0] / d_s:.2f}x direct" if t else ""))
+        print(f"             the same commands as a sweep's trials (parallel {args.slots}): "
+              f"{sw:.2f} s, {sw / g_s:.2f}x the queue's drain"
+              + (f", {sw / t[0]:.2f}x task-spooler" if t else ""))
         print("             CPU: gpuplane " + ", ".join(f"{k} {v:.2f} s" for k, v in g_cpu.items())
               + f"; direct: the jobs {d_cpu:.2f} s"
               + (f"; task-spooler: the jobs {t[1]:.2f} s" if t else ""))
@@ -308,18 +338,24 @@ def main():
               f"{(busy['gpuplane'] - busy['direct']) / args.drain * 1000:.1f} ms"
               + (f", task-spooler {(busy['tsp'] - busy['direct']) / args.drain * 1000:.1f} ms"
                  " (its clients and `tsp -l` included)" if t else ""))
-    ratios = [g[0] / d[0] for g, d, _, _ in rounds]
+    ratios = [g[0] / d[0] for g, d, *_ in rounds]
     if ratios:
         print(f"  ratio    : median {statistics.median(ratios):.2f}x "
               f"(range {min(ratios):.2f}-{max(ratios):.2f}x)")
     if not tsp:
         print("  task-spooler: skipped (no `tsp` on PATH: apt-get install task-spooler)")
     elif rounds:
-        vs = [g[0] / t[0] for g, _, t, _ in rounds]
-        tr = [t[0] / d[0] for _, d, t, _ in rounds]
+        vs = [g[0] / t[0] for g, _, t, *_ in rounds]
+        tr = [t[0] / d[0] for _, d, t, *_ in rounds]
+        sv = [sw / t[0] for _, _, t, _, sw in rounds]
         print(f"  vs tsp   : gpuplane median {statistics.median(vs):.2f}x task-spooler "
               f"(range {min(vs):.2f}-{max(vs):.2f}x); task-spooler median "
-              f"{statistics.median(tr):.2f}x direct")
+              f"{statistics.median(tr):.2f}x direct; the sweep median "
+              f"{statistics.median(sv):.2f}x task-spooler (range {min(sv):.2f}-{max(sv):.2f}x)")
+    if rounds:
+        sq = [sw / g[0] for g, *_, sw in rounds]
+        print(f"  sweep    : its trials drain in {statistics.median(sq):.2f}x the queue's time "
+              f"(median; range {min(sq):.2f}-{max(sq):.2f}x)")
     print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {args.drain} "
           f"times) costs {floor[0]:.2f} ms of the server's CPU and {floor[1]:.2f} ms of the "
           "client's")
