@@ -106,6 +106,7 @@ BATCH_MAX_RECORDS = 500
 BATCH_MAX_BYTES = 1024 * 1024
 COMPACT_BYTES = 8 * 1024 * 1024   # acked bytes at the spool's head worth a rewrite ...
 COMPACT_MIN_RECORDS = 1000        # ... or acked lines there
+RUNNING_HOLD_S = 0.1              # a RUNNING record waits this long for company (Outbox.hold)
 ACK_TIMEOUT_S = 15.0              # a batch unacked this long: reconnect (and the welcome wait)
 HEARTBEAT_MISSES = 3              # heartbeats the server leaves unanswered: the path is dead
 RECONNECT_MIN_S = 0.5             # reconnect backoff: from here, doubled up to ...
@@ -536,6 +537,7 @@ class Outbox:
         self._loaded_seq = 0        # the last seq the spool held at load; None once a
                                     # server's cursor was accepted (last_held_seq)
         self.listeners = []         # called (outside the lock) after each append
+        self._holds = {}            # seq -> monotonic time until which it may wait (hold)
         self.ack_listeners = []     # called (outside the lock) after an ack moved `acked`
         self._load()
 
@@ -630,8 +632,9 @@ class Outbox:
 
     # -- writing -------------------------------------------------------------------------
 
-    def append(self, kind, fields, att=None):
-        """Spool one record (flushed; sync() makes it durable) and return its seq."""
+    def append(self, kind, fields, att=None, hold_s=0.0):
+        """Spool one record (flushed; sync() makes it durable) and return its seq.
+        hold_s: it may wait that long to go out with the next record (hold())."""
         with self.lock:
             rec = {"seq": self.next_seq, "kind": kind, "ts": fields.pop("ts", now_ms())}
             rec.update(fields)
@@ -654,6 +657,8 @@ class Outbox:
             if att:
                 self._fold(att)
             seq = rec["seq"]
+            if hold_s > 0:
+                self._holds[seq] = time.monotonic() + hold_s
         for fn in self.listeners:
             fn()
         return seq
@@ -745,6 +750,18 @@ class Outbox:
             out.extend(json.loads(w) for _s, w in items)
             seq = items[-1][0]
 
+    def hold(self, items):
+        """Seconds the batch `items` (pending_after()) may wait before it is sent: while
+        every record in it may still wait (append's hold_s), until the first may not; else
+        0. A RUNNING record waits a little for its job's next lines or its EXITED: a job of
+        a few ms then costs one batch, one transaction and one ack on each side, not two,
+        and nothing waits behind it (any other record sends it along at once)."""
+        now = time.monotonic()
+        with self.lock:
+            until = [self._holds.get(seq, 0.0) for seq, _w in items]
+        first = min(until, default=0.0)
+        return first - now if first > now else 0.0
+
     def batch_message(self, items):
         return ('{"type":"batch","epoch":%s,"records":[%s]}'
                 % (json.dumps(self.epoch), ",".join(w for _s, w in items)))
@@ -760,6 +777,8 @@ class Outbox:
             del self._cuts[:n]
             self._dropped_lines += n
             self.acked = seq
+            if self._holds:
+                self._holds = {k: v for k, v in self._holds.items() if k > seq}
             # Compacting costs a state.json and the pending bytes: do it when the acked
             # head of the file is at least as big and holds enough lines (amortised: not
             # at every ack), so the file stays under twice what is pending. Acked lines
@@ -783,6 +802,7 @@ class Outbox:
             self._new_epoch(reason, len(self._offs))
             self._rewrite(renumber=True, keep_after=keep_after)
             self._loaded_seq = self.last_seq
+            self._holds = {}            # their seqs are others now: they go at once
 
     # -- files ---------------------------------------------------------------------------
 
@@ -2465,7 +2485,8 @@ class Reporter:
             rec["slurm_job_id"] = att.slurm_id
         if att.resumed_from is not None:
             rec["resumed_from"] = att.resumed_from
-        self.outbox.append("job", rec, att={"key": att.key, "running": True})
+        self.outbox.append("job", rec, att={"key": att.key, "running": True},
+                           hold_s=RUNNING_HOLD_S)
         att.running_reported = True
         if not att.scrubbed:
             scrub_start_record(att.file("spec.json"))
@@ -3911,7 +3932,8 @@ class Connection(Worker):
                 if not self.synced.is_set():
                     self._maybe_sync(backlog)
                 items = self.outbox.pending_after(sent_upto)
-                if items:
+                hold = self.outbox.hold(items) if items else 0.0
+                if items and not hold:
                     with sess.lock:
                         if sess.sent_upto != sent_upto:     # a resend came in meanwhile
                             continue
@@ -3919,7 +3941,7 @@ class Connection(Worker):
                         sess.deadline = now + self.ack_timeout_s
                     self._send(self.outbox.batch_message(items))
                     continue
-                timeout = None
+                timeout = hold or None      # an append wakes it before, to send them along
             elif now > sess.deadline:
                 log.warning("no ack for seq %d within %.0f s; reconnecting", inflight,
                             self.ack_timeout_s)

@@ -225,3 +225,18 @@ def test_a_cut_spool_does_not_hand_out_seqs_the_server_has_applied(tmp_path):
     assert again.accept_cursor(5) == "server cursor 5 outside acked 0..3"
     assert again.accept_cursor(3) is None    # a cursor within it, accepted at hello
     assert again.last_held_seq() == 5
+
+
+def test_a_held_record_waits_only_while_nothing_else_is_pending(tmp_path):
+    ob = agent.Outbox(str(tmp_path / "a"))
+    ob.append("job", {"job_id": 1, "attempt": 1, "state": "RUNNING"}, hold_s=30.0)
+    items = ob.pending_after(0)
+    assert 29.0 < ob.hold(items) <= 30.0         # alone: it may wait for company
+    ob.append("log", {"job_id": 1, "attempt": 1, "lines": ["x"]})
+    items = ob.pending_after(0)
+    assert [json.loads(w)["kind"] for _s, w in items] == ["job", "log"]
+    assert ob.hold(items) == 0.0                  # with another record: both go now
+    ob.ack(2)
+    ob.append("job", {"job_id": 2, "attempt": 1, "state": "RUNNING"}, hold_s=0.05)
+    wait_until(lambda: ob.hold(ob.pending_after(2)) == 0.0)     # its time is up
+    ob.close()
