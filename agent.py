@@ -126,6 +126,8 @@ LOG_POLL_MAX_S = 1.0              # ... a quiet one backs off to this
 ADOPTED_CHECK_S = 1.0             # liveness of jobs we did not launch (no waiter): polled
 IDLE_WAKE_S = 30.0                # nothing running: wake this often anyway (retention, ...)
 HOOK_INTERVAL_S = 2.0             # TensorBoard and checkpoint looks at a running attempt
+FIRST_HOOK_S = 0.5                # ... the first after its start (a job that ends sooner
+                                  # is looked at once, at its end)
 RETENTION_CHECK_S = 3600.0        # old attempts' files are looked for this often
 RECHECK_S = 0.1                   # an attempt inside a cancel's grace or a drain: looked at again
 BACKLOG_WAIT_S = 0.5              # an ended attempt waits this long for acks, then looks again
@@ -2617,6 +2619,7 @@ class Runner(Worker):
     def _new_attempt(self, job_id, attempt, path, spec=None):
         att = Attempt(job_id, attempt, path, spec)
         att.ckpt.interval_s = self.ckpt_interval_s
+        att.next_hook = time.monotonic() + min(FIRST_HOOK_S, self.hook_interval_s)
         return att
 
     # -- commands (any thread) -------------------------------------------------------------
