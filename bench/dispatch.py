@@ -162,6 +162,7 @@ def main():
     work = home / "work"
     work.mkdir()
     url, s, procs, agent = start_platform(home, args.slots)
+    tsp_kill = []               # how to stop task-spooler's server, once it runs
     try:
         # 0. the idle agent
         import psutil
@@ -284,6 +285,7 @@ def main():
 
         if tsp:
             tsp_run("-S", str(args.slots))        # starts its server with that many slots
+            tsp_kill[:] = [[tsp, "-K"], tsp_env]
         peers = [("gpuplane", gpuplane_drain), ("direct", direct_drain),
                  ("sweep", sweep_drain)] + (
             [("tsp", tsp_drain)] if tsp else [])
@@ -297,13 +299,13 @@ def main():
                 got[name] = fn()
                 busy[name] = machine_busy() - b0
             rounds.append((got["gpuplane"], got["direct"], got.get("tsp"), busy, got["sweep"]))
-        if tsp:
-            subprocess.run([tsp, "-K"], env=tsp_env, capture_output=True)
 
         # 3. the floor of one REST request on this stack: what any job submitted through
         # the API pays before GPUPlane does anything (gunicorn + Flask + requests)
         floor = rest_floor(s, url, procs, args.drain)
     finally:
+        if tsp_kill:                # its server outlives us otherwise, even on a failure
+            subprocess.run(tsp_kill[0], env=tsp_kill[1], capture_output=True)
         for p in procs:
             stop_server(p)          # both run as their own process group
         shutil.rmtree(home, ignore_errors=True)
