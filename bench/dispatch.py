@@ -126,22 +126,18 @@ def machine_busy():
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def rest_floor(s, url, procs, n):
+FLOOR_REQUESTS = 1000   # CPU times come in 10 ms ticks: enough requests to read ~1 ms each
+
+
+def rest_floor(s, url, procs, agent, n=FLOOR_REQUESTS):
     """CPU ms of one keep-alive GET /api/v1/health (no auth, no database), over `n`:
     (server, this client)."""
-    import psutil
-    server = psutil.Process(procs[1].pid)
-    tree = [server] + server.children(recursive=True)
-    me = psutil.Process()
-
-    def cpu():
-        return (sum(sum(p.cpu_times()[:2]) for p in tree), sum(me.cpu_times()[:2]))
     s.get(url + "/api/v1/health", timeout=5)
-    (s0, c0) = cpu()
+    cpu0 = cpu_split(procs, agent)
     for _ in range(n):
         s.get(url + "/api/v1/health", timeout=5).raise_for_status()
-    (s1, c1) = cpu()
-    return (s1 - s0) / n * 1000, (c1 - c0) / n * 1000
+    cpu1 = cpu_split(procs, agent)
+    return tuple((cpu1[k] - cpu0[k]) / n * 1000 for k in ("server", "bench client"))
 
 
 def pct(values, p):
@@ -302,7 +298,7 @@ def main():
 
         # 3. the floor of one REST request on this stack: what any job submitted through
         # the API pays before GPUPlane does anything (gunicorn + Flask + requests)
-        floor = rest_floor(s, url, procs, args.drain)
+        floor = rest_floor(s, url, procs, agent)
     finally:
         if tsp_kill:                # its server outlives us otherwise, even on a failure
             subprocess.run(tsp_kill[0], env=tsp_kill[1], capture_output=True)
@@ -358,7 +354,7 @@ def main():
         sq = [sw / g[0] for g, *_, sw in rounds]
         print(f"  sweep    : its trials drain in {statistics.median(sq):.2f}x the queue's time "
               f"(median; range {min(sq):.2f}-{max(sq):.2f}x)")
-    print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {args.drain} "
+    print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {FLOOR_REQUESTS} "
           f"times) costs {floor[0]:.2f} ms of the server's CPU and {floor[1]:.2f} ms of the "
           "client's")
 
