@@ -4,7 +4,7 @@ checkpoint registry and what decides between runs (docs/checkpoints.md)."""
 import argparse
 
 from .common import (EXIT_ERROR, EXIT_OK, CliError, ago, command, id_type, make_client, note,
-                     parents, print_json, print_table)
+                     parents, print_json, print_next_actions, print_table)
 
 ckpt_id_type = id_type("checkpoint", "gpuplane ckpt list")
 run_id_type = id_type("run", "gpuplane run list")
@@ -211,12 +211,12 @@ def cmd_ckpt_recommend(args):
     c = r["checkpoint"]
     if c is None:
         print(r["reason"])
+        print_next_actions(r.get("next_actions") or [])
         return EXIT_ERROR
     print(f"checkpoint {c['checkpoint_id']}  run {c['run_id']}  step {c['step']}  "
           f"{r['key']} = {_value(c['value'])} ({c['source']})  {c['path']}")
     print(r["reason"])
-    for a in r.get("next_actions") or []:
-        print(f"next: {a['why']}" if isinstance(a, dict) else f"next: {a}")
+    print_next_actions(r.get("next_actions") or [])
     return EXIT_OK
 
 

@@ -135,6 +135,16 @@ def print_json(data):
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
+def print_next_actions(actions):
+    """The answer's next actions, one tool call a line with its arguments (the MCP call an
+    agent would make; a person reads it as what to do next)."""
+    if actions:
+        print("next:")
+    for a in actions:
+        args = ", ".join(f"{k}={v!r}" for k, v in a["arguments"].items())
+        print(f"  {a['tool']}({args})  # {a['why']}")
+
+
 def print_table(rows, headers):
     """Aligned plain-text columns; None shows as '-'."""
     cells = [[("-" if v is None else str(v)) for v in row] for row in rows]

@@ -3,7 +3,8 @@
 Both print the verdict, the evidence and the next actions (the MCP tool calls an agent
 would make; a person reads them as what to do next)."""
 
-from .common import EXIT_OK, command, id_type, job_id_type, make_client, parents, print_json
+from .common import (EXIT_OK, command, id_type, job_id_type, make_client, parents,
+                     print_json, print_next_actions)
 
 run_id_type = id_type("run", "gpuplane run list")
 
@@ -23,14 +24,6 @@ def add_parser(subparsers):
     p.set_defaults(func=cmd_explain)
 
 
-def _actions(actions):
-    if actions:
-        print("next:")
-    for a in actions:
-        args = ", ".join(f"{k}={v!r}" for k, v in a["arguments"].items())
-        print(f"  {a['tool']}({args})  # {a['why']}")
-
-
 def cmd_diagnose(args):
     d = make_client(args).get_run_diagnosis(args.run_id, key=args.key)
     if args.json:
@@ -38,7 +31,7 @@ def cmd_diagnose(args):
         return EXIT_OK
     print(f"run {d['run_id']}: ", end="")
     print_verdict(d)
-    _actions(d["next_actions"])
+    print_next_actions(d["next_actions"])
     return EXIT_OK
 
 
@@ -67,5 +60,5 @@ def cmd_explain(args):
             print(f"  {ln['line_no']:>6}  {ln['text']}")
     for s in e["suggestions"]:
         print(f"  try: {s}")
-    _actions(e["next_actions"])
+    print_next_actions(e["next_actions"])
     return EXIT_OK
