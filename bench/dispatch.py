@@ -18,13 +18,16 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
    CPU);
 and, as the baselines in the same run, the bare cost of starting the same processes with
 subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
-of this run; skipped, saying so, where `tsp` is not installed) draining the same commands,
-and the same commands as one sweep's trials (parallel = slots: no POST a job, each
+of this run, its end awaited with `tsp -w`; skipped, saying so, where `tsp` is not
+installed) draining the same commands, and the same commands as one sweep's trials (parallel = slots: no POST a job, each
 trial launched by the sweeper as one ends), the four rotated (G D S T, D S T G, ...).
 Prints each, the ratio of each round and their median, each drain's busy CPU a job
 beyond the direct one's, and
 3. the floor of this stack: the CPU of one keep-alive REST request that touches no
-   database (GET /api/v1/health), the server's and the client's.
+   database (GET /api/v1/health), the server's and the client's, and of one POST
+   /api/v1/jobs as the drain sends it; beside each queue's busy CPU a job beyond the
+   direct drain's, what GPUPlane's submit and its shim cost a job alone.
+The temp home lies in $TMPDIR (docs/benchmarks.md says why that matters on this VM).
 """
 import argparse
 import concurrent.futures
@@ -75,19 +78,21 @@ def submit(s, url, command, workdir):
 
 
 def cpu_split(procs, agent):
-    """CPU seconds so far: server (master + worker), agent, the agent's children (its fork
-    server and the shims it forked and reaped, with the jobs under them), this benchmark
-    process."""
+    """CPU seconds so far: server (master + worker), agent, its shim (the process that
+    spawns and reaps every job), the jobs (the shim's reaped children, and anything the
+    agent reaped itself), this benchmark process."""
     import psutil
     server = psutil.Process(procs[1].pid)
     tree = [server] + server.children(recursive=True)
     ap = psutil.Process(agent.pid)
     a = ap.cpu_times()
     me = psutil.Process().cpu_times()
+    shims = [k.cpu_times() for k in ap.children()]
     return {"server": sum(sum(p.cpu_times()[:2]) for p in tree),
             "agent": a.user + a.system,
-            "shims+jobs": a.children_user + a.children_system
-            + sum(sum(k.cpu_times()[:4]) for k in ap.children()),
+            "shim": sum(t.user + t.system for t in shims),
+            "jobs": a.children_user + a.children_system
+            + sum(t.children_user + t.children_system for t in shims),
             "bench client": me.user + me.system}
 
 
@@ -137,6 +142,25 @@ def rest_floor(s, url, procs, agent, n=FLOOR_REQUESTS):
     for _ in range(n):
         s.get(url + "/api/v1/health", timeout=5).raise_for_status()
     cpu1 = cpu_split(procs, agent)
+    return tuple((cpu1[k] - cpu0[k]) / n * 1000 for k in ("server", "bench client"))
+
+
+def submit_cost(s, url, procs, agent, workdir, slots, n=FLOOR_REQUESTS):
+    """CPU ms of one POST /api/v1/jobs as the drain sends it, over `n` jobs that wait (one
+    GPU more than the node has: queued with their reason in the submit, as the drain's
+    are while the slots are busy, and never started; cancelled after): (server, this
+    client). The rest of a drained job's cost is what comes after its submit."""
+    ids = []
+    cpu0 = cpu_split(procs, agent)
+    for _ in range(n):
+        r = s.post(url + "/api/v1/jobs", json={"command": [sys.executable, "-c", "pass"],
+                                               "working_dir": str(workdir),
+                                               "gpus": slots + 1, "name": "bench"}, timeout=30)
+        r.raise_for_status()
+        ids.append(r.json()["id"])
+    cpu1 = cpu_split(procs, agent)
+    for job_id in ids:
+        s.post(f"{url}/api/v1/jobs/{job_id}/cancel", timeout=30).raise_for_status()
     return tuple((cpu1[k] - cpu0[k]) / n * 1000 for k in ("server", "bench client"))
 
 
@@ -246,7 +270,8 @@ def main():
 
         # Debian's task-spooler as a peer: its own server on a socket of this run, `-S`
         # slots, one `tsp CMD` client per job (as GPUPlane has one POST per job); the
-        # drain ends when `tsp -l` lists every job finished (looked at every 20 ms).
+        # drain ends when `tsp -w` (a blocking wait, no polling) has seen the last one end
+        # and `tsp -l` lists every job finished.
         # Its output files (one per job, in TMPDIR) go beside the jobs' working dir, not in
         # it: the agent walks a job's working dir for TensorBoard files, and 200 more
         # files there each round made GPUPlane's later rounds slower.
@@ -265,12 +290,17 @@ def main():
             t0 = time.monotonic()
             for _ in range(args.drain):
                 tsp_run(*trivial)
+            # `tsp -w ID` blocks until the server says the job ended (no polling): the
+            # last one added, then any listed as not finished yet
+            wait_for = [[]]                       # [] : the last one added
             while True:
+                for job in wait_for:
+                    subprocess.run([tsp, "-w", *job], env=tsp_env, capture_output=True)
                 listed = [line.split() for line in tsp_run("-l").splitlines()[1:]
                           if line.strip()]
-                if len(listed) >= args.drain and all(f[1] == "finished" for f in listed):
+                wait_for = [[f[0]] for f in listed if f[1] != "finished"]
+                if len(listed) >= args.drain and not wait_for:
                     break
-                time.sleep(0.02)
             seconds = time.monotonic() - t0
             bad = [f for f in listed if f[3] != "0"]
             if bad:
@@ -299,6 +329,7 @@ def main():
         # 3. the floor of one REST request on this stack: what any job submitted through
         # the API pays before GPUPlane does anything (gunicorn + Flask + requests)
         floor = rest_floor(s, url, procs, agent)
+        posting = submit_cost(s, url, procs, agent, work, args.slots)
     finally:
         if tsp_kill:                # its server outlives us otherwise, even on a failure
             subprocess.run(tsp_kill[0], env=tsp_kill[1], capture_output=True)
@@ -307,6 +338,10 @@ def main():
         shutil.rmtree(home, ignore_errors=True)
 
     ms = lambda v: f"{v * 1000:.1f} ms"
+
+    def beyond(busy, name):
+        """ms of the machine's busy CPU a job, over the direct drain's in the same round"""
+        return (busy[name] - busy["direct"]) / args.drain * 1000
     print(f"idle agent over {args.idle:.0f} s: {idle_cpu * 100:.3f} % of a core "
           f"(load average {load:.1f} on {os.cpu_count()} cores)")
     print(f"submit → process start over {args.jobs} jobs, idle node with {args.slots} fake GPUs")
@@ -333,9 +368,9 @@ def main():
         print(f"             a slot's turnover (medians): exit → EXITED record {reported:.0f} ms,"
               f" → the next start at the agent {next_start:.0f} ms")
         print("             the machine's busy CPU a job beyond the direct drain's: gpuplane "
-              f"{(busy['gpuplane'] - busy['direct']) / args.drain * 1000:.1f} ms"
-              + (f", task-spooler {(busy['tsp'] - busy['direct']) / args.drain * 1000:.1f} ms"
-                 " (its clients and `tsp -l` included)" if t else ""))
+              f"{beyond(busy, 'gpuplane'):.1f} ms"
+              + (f", task-spooler {beyond(busy, 'tsp'):.1f} ms (its clients included)"
+                 if t else ""))
     ratios = [g[0] / d[0] for g, d, *_ in rounds]
     if ratios:
         print(f"  ratio    : median {statistics.median(ratios):.2f}x "
@@ -356,7 +391,17 @@ def main():
               f"(median; range {min(sq):.2f}-{max(sq):.2f}x)")
     print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {FLOOR_REQUESTS} "
           f"times) costs {floor[0]:.2f} ms of the server's CPU and {floor[1]:.2f} ms of the "
-          "client's")
+          f"client's; one POST /api/v1/jobs as the drain sends it (a job that waits, "
+          f"{FLOOR_REQUESTS} times) {posting[0]:.2f} ms of the server's and {posting[1]:.2f} ms of the client's")
+    if rounds:
+        shim = statistics.median(g[1]["shim"] for g, *_ in rounds) / args.drain * 1000
+        mine = statistics.median(beyond(r[3], "gpuplane") for r in rounds)
+        print(f"per job beyond the direct drain (medians of the rounds): gpuplane {mine:.1f} ms of "
+              "the machine's busy CPU"
+              + (f", task-spooler {statistics.median(beyond(r[3], 'tsp') for r in rounds):.1f} "
+                 "ms" if tsp else "")
+              + f"; of GPUPlane's, its submit (the POST above, both sides) and its shim's spawn "
+              f"and reaping ({shim:.2f} ms) alone come to {sum(posting) + shim:.1f} ms")
 
 if __name__ == "__main__":
     main()
