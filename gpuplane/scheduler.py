@@ -134,19 +134,20 @@ class Scheduler(Worker):
         same = nodes_seen == self._nodes_seen
         reasons = {}        # job id -> a new pending_reason, written at the end in one go
         why = {}            # (gpus, cpu_only) -> why a job of that shape waits
-        for job in self._queue(lambda: (most_gpus, cpu_room) if same else None):
+        for job, depends_on, found in self._queue(
+                lambda: (most_gpus, cpu_room) if same else None):
             cpu_only = bool(job["cpu_only"])
-            plain = not job["held"] and job["depends_on"] in (None, "[]")
+            plain = not job["held"] and not depends_on
             # A job that waits only for a slot, of a shape that cannot fit anywhere now,
             # needs no more than its reason: most of a long queue, at every pass.
             if plain and (not cpu_room if cpu_only else job["gpus"] > most_gpus):
                 self._say(reasons, job, self._why(why, job, all_nodes))
                 continue
             job = {"id": job["id"], "gpus": job["gpus"], "cpu_only": cpu_only,
-                   "held": bool(job["held"]), "depends_on": loads(job["depends_on"], []),
+                   "held": bool(job["held"]), "depends_on": depends_on,
                    "depends_any": bool(job["depends_any"]),
                    "pending_reason": job["pending_reason"]}
-            blocked = self._blocked(job)
+            blocked = self._blocked(job, found)
             if blocked:
                 self._say(reasons, job, blocked)
                 continue
@@ -174,19 +175,28 @@ class Scheduler(Worker):
             self._left = (wakes, most_gpus, cpu_room, all_nodes)
 
     def _queue(self, room):
-        """The queue in placement order. While the nodes are as the last pass saw them
-        (`room()`: the room left now, else None), a page at a time, each read with the
-        room left then: once the free slots are filled, the next page holds only the
-        jobs that lack a reason or wait for more than a slot, not the rest of a long
-        queue."""
-        if room() is None:
-            yield from jobs.placement_queue(self.db)
-            return
-        after = None
+        """The queue in placement order: each row with the ids it runs after (decoded once
+        for each distinct list: a hundred jobs after one often share it) and the {id:
+        (state, name)} of the jobs its page runs after (one read a page, not one a job).
+        While the nodes are as the last pass saw them (`room()`: the room left now, else
+        None), a page at a time, each read with the room left then: once the free slots
+        are filled, the next page holds only the jobs that lack a reason or wait for more
+        than a slot, not the rest of a long queue."""
+        after, decoded = None, {None: [], "[]": []}
         while True:
-            page = jobs.placement_queue(self.db, room(), after=after, limit=QUEUE_PAGE)
-            yield from page
-            if len(page) < QUEUE_PAGE:
+            left = room()
+            page = (jobs.placement_queue(self.db) if left is None else
+                    jobs.placement_queue(self.db, left, after=after, limit=QUEUE_PAGE))
+            lists = []
+            for row in page:
+                text = row["depends_on"]
+                if text not in decoded:
+                    decoded[text] = loads(text, [])
+                lists.append(decoded[text])
+            found = jobs.states(self.db, {dep for ids in lists for dep in ids})
+            for row, depends_on in zip(page, lists):
+                yield row, depends_on, found
+            if left is None or len(page) < QUEUE_PAGE:
                 return
             last = page[-1]
             after = (last["priority"], last["queued_at"], last["id"])
@@ -209,14 +219,14 @@ class Scheduler(Worker):
                                              all_nodes)
         return cache[shape]
 
-    def _blocked(self, job):
+    def _blocked(self, job, found):
         """Why a queued job may not start whatever the slots: held, or a dependency not
-        yet done (a dependency that failed fails the job). None when it may start."""
+        yet done (a dependency that failed fails the job; `found`: {id: (state, name)}
+        of its dependencies, as read with its page). None when it may start."""
         if job["held"]:
             return f"held; `gpuplane job release {job['id']}` lets it start"
         if not job["depends_on"]:
             return None
-        found = jobs.states(self.db, job["depends_on"])
         waiting = []
         for dep in job["depends_on"]:
             state, name = found.get(dep, (MISSING, "?"))

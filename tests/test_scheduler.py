@@ -234,3 +234,79 @@ def test_a_wake_during_the_submit_transaction_wakes_the_scheduler_after_its_comm
         sched.wake()
         assert sched._wakes == wakes + 1
     assert sched._wakes == wakes + 2     # woken again once "c" is committed
+
+
+def test_held_jobs_that_have_their_reason_are_left_out_of_later_passes(world, monkeypatch):
+    """A held job's reason changes only with a hold or a release (both clear it): once it
+    has it, a pass on unchanged nodes does not read it again. Held after waiting, it says
+    held; released, it is placed when a slot frees."""
+    db, lc, sched, agents, _ = world
+    running = [lc.submit(spec(f"r{i}")) for i in range(2)]
+    sched.tick()
+    held = [lc.submit(dict(spec(f"h{i}"), held=True)) for i in range(20)]
+    waiter = lc.submit(spec("w"))
+    sched.tick()
+    assert all(jobs.get(db, h["id"])["pending_reason"].startswith("held;") for h in held)
+    read = []
+    real = jobs.placement_queue
+    monkeypatch.setattr(jobs, "placement_queue", lambda *a, **kw: read.extend(
+        r["id"] for r in real(*a, **kw)) or real(*a, **kw))
+    sched.tick()
+    assert read == []                           # nothing new, nothing read
+    lc.hold(waiter["id"])                       # it waited for a slot; now it is held
+    sched.tick()
+    assert read == [waiter["id"]]
+    assert jobs.get(db, waiter["id"])["pending_reason"].startswith("held;")
+    lc.hold(held[7]["id"], held=False)
+    lc.started(running[0]["id"], 1)
+    lc.finished(running[0]["id"], 1, exit_code=0)
+    sched.tick()
+    assert agents.started[-1][0] == held[7]["id"]
+    assert all(jobs.get(db, h["id"])["state"] == "QUEUED" for h in held if h != held[7])
+
+
+def test_a_queue_read_a_page_at_a_time_is_the_queue_read_at_once(tmp_path):
+    """Pages follow one another by seeking along the queue's index (the rest of a
+    priority, then the lower ones): together they are the whole queue in placement
+    order, ties in priority and queue time included."""
+    db = Database(tmp_path / "gpuctl.db")
+    lc = Lifecycle(db)
+    for i in range(57):
+        lc.submit(dict(spec(f"j{i}", priority=(i * 7) % 5 - 2), held=i % 4 == 0))
+    with db.tx() as c:                          # ties in queued_at: the id decides
+        c.execute("UPDATE jobs SET queued_at = 1000 + id / 3")
+    room = (8, True)
+    whole = [r["id"] for r in jobs.placement_queue(db)]
+    assert len(whole) == 57
+    for size in (1, 5, 16, 56, 57, 100):
+        paged, after = [], None
+        while True:
+            page = jobs.placement_queue(db, room, after=after, limit=size)
+            paged += [r["id"] for r in page]
+            if len(page) < size:
+                break
+            after = (page[-1]["priority"], page[-1]["queued_at"], page[-1]["id"])
+        assert paged == whole, size
+
+
+def test_a_page_of_jobs_that_wait_for_others_reads_their_states_once(world, monkeypatch):
+    """Jobs that run after others are looked at every pass; the states of what a page of
+    them waits for are read once for the page, and each still gets its own reason (or
+    fails when what it waits for failed)."""
+    db, lc, sched, agents, _ = world
+    first = [lc.submit(spec(f"r{i}")) for i in range(2)]
+    sched.tick()
+    doomed = lc.submit(spec("doomed"))
+    lc.cancel(doomed["id"])
+    after = [lc.submit(dict(spec(f"a{i}"), depends_on=[first[i % 2]["id"]]))
+             for i in range(30)]
+    orphan = lc.submit(dict(spec("orphan"), depends_on=[doomed["id"]]))
+    reads = []
+    real = jobs.states
+    monkeypatch.setattr(jobs, "states", lambda db, ids: reads.append(list(ids)) or real(db, ids))
+    sched.tick()
+    assert len(reads) <= 3                      # 31 jobs that wait: 2 pages of 16 (or 1)
+    for i, a in enumerate(after):
+        assert jobs.get(db, a["id"])["pending_reason"] == (
+            f"waiting for job {first[i % 2]['id']} (r{i % 2}, DISPATCHED) to succeed")
+    assert jobs.get(db, orphan["id"])["state"] == "FAILED"

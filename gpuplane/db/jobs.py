@@ -77,27 +77,36 @@ def placement_queue(db, room=None, after=None, limit=None):
     decoded: the scheduler reads the queue at every pass, and building a dict per job
     made a long queue's drain quadratic.
 
-    room=(most free GPUs on one node, a free CPU slot anywhere): leave out the jobs that
-    wait only for a slot, cannot fit now and already have a reason (the caller knows it
-    still holds). after=(priority, queued_at, id) of the last row read, limit: one page."""
+    room=(most free GPUs on one node, a free CPU slot anywhere): leave out the jobs whose
+    reason the caller knows still holds: those that wait only for a slot, cannot fit now
+    and have their reason, and held ones that have theirs (it changes only with a hold or
+    a release, which clear it). after=(priority, queued_at, id) of the last row read,
+    limit: one page."""
     sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason, "
            "priority, queued_at FROM jobs WHERE state = 'QUEUED'")
     args = ()
     if room is not None:
-        sql += (" AND (held != 0 OR depends_on IS NULL OR depends_on != '[]'"
+        sql += (" AND (held = 0 OR pending_reason IS NULL)"
+                " AND (held != 0 OR depends_on IS NULL OR depends_on != '[]'"
                 " OR pending_reason IS NULL OR (cpu_only != 0 AND ?)"
                 " OR (cpu_only = 0 AND gpus <= ?))")
         args = (int(bool(room[1])), int(room[0]))
-    if after is not None:
-        p, q, i = after
-        sql += (" AND (priority < ? OR (priority = ? AND (queued_at > ?"
-                " OR (queued_at = ? AND id > ?))))")
-        args += (p, p, q, q, i)
-    sql += " ORDER BY priority DESC, queued_at, id"
-    if limit is not None:
-        sql += " LIMIT ?"
-        args += (int(limit),)
-    return db.query(sql, args)
+    if after is None:
+        return db.query(sql + " ORDER BY priority DESC, queued_at, id"
+                        + (" LIMIT ?" if limit is not None else ""),
+                        args + ((int(limit),) if limit is not None else ()))
+    # What follows `after`, as two seeks along jobs_queue: the rest of its priority, then
+    # the lower ones. One condition with OR walked the index from the queue's head at
+    # every page, which made a pass over a queue that holds many jobs it reads
+    # (held, waiting for others) quadratic.
+    p, q, i = after
+    limit = -1 if limit is None else int(limit)
+    rows = db.query(sql + " AND priority = ? AND (queued_at, id) > (?, ?)"
+                    " ORDER BY queued_at, id LIMIT ?", args + (p, q, i, limit))
+    if limit < 0 or len(rows) < limit:
+        rows += db.query(sql + " AND priority < ? ORDER BY priority DESC, queued_at, id"
+                         " LIMIT ?", args + (p, limit if limit < 0 else limit - len(rows)))
+    return rows
 
 
 def retention_keys(db, ids):
