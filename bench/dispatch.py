@@ -19,8 +19,9 @@ heartbeat, 10 s node stats) in a temp home, removed at the end, then:
 and, as the baselines in the same run, the bare cost of starting the same processes with
 subprocess directly, and Debian's task-spooler (`tsp -S SLOTS`, its own server on a socket
 of this run, its end awaited with `tsp -w`; skipped, saying so, where `tsp` is not
-installed) draining the same commands, and the same commands as one sweep's trials (parallel = slots: no POST a job, each
-trial launched by the sweeper as one ends), the four rotated (G D S T, D S T G, ...).
+installed) draining the same commands, and the same commands as one sweep's trials
+(parallel = slots: no POST a job, each trial launched by the sweeper as one ends), the
+four rotated (G D S T, D S T G, ...).
 Prints each, the ratio of each round and their median, each drain's busy CPU a job
 beyond the direct one's, and
 3. the floor of this stack: the CPU of one keep-alive REST request that touches no
@@ -291,7 +292,8 @@ def main():
             for _ in range(args.drain):
                 tsp_run(*trivial)
             # `tsp -w ID` blocks until the server says the job ended (no polling): the
-            # last one added, then any listed as not finished yet
+            # last one added, then any listed as not finished yet. Not tsp_run: its exit
+            # status is the job's, which the list below checks.
             wait_for = [[]]                       # [] : the last one added
             while True:
                 for job in wait_for:
@@ -392,7 +394,8 @@ def main():
     print(f"the stack's floor: one keep-alive REST request (GET /api/v1/health, {FLOOR_REQUESTS} "
           f"times) costs {floor[0]:.2f} ms of the server's CPU and {floor[1]:.2f} ms of the "
           f"client's; one POST /api/v1/jobs as the drain sends it (a job that waits, "
-          f"{FLOOR_REQUESTS} times) {posting[0]:.2f} ms of the server's and {posting[1]:.2f} ms of the client's")
+          f"{FLOOR_REQUESTS} times) {posting[0]:.2f} ms of the server's and "
+          f"{posting[1]:.2f} ms of the client's")
     if rounds:
         shim = statistics.median(g[1]["shim"] for g, *_ in rounds) / args.drain * 1000
         mine = statistics.median(beyond(r[3], "gpuplane") for r in rounds)

@@ -63,7 +63,7 @@ def world(home, queued, agents=None, kind="plain"):
     return db, sched, lc
 
 
-def previous_page(db, room, after=None, limit=None):
+def previous_page(db, room, after, limit):
     """jobs.placement_queue as it was before 2026-12-03: every held job read at every
     pass, and each page found by walking the queue from its head past `after`."""
     sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason, "

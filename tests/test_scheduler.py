@@ -249,8 +249,12 @@ def test_held_jobs_that_have_their_reason_are_left_out_of_later_passes(world, mo
     assert all(jobs.get(db, h["id"])["pending_reason"].startswith("held;") for h in held)
     read = []
     real = jobs.placement_queue
-    monkeypatch.setattr(jobs, "placement_queue", lambda *a, **kw: read.extend(
-        r["id"] for r in real(*a, **kw)) or real(*a, **kw))
+
+    def recorded(*a, **kw):
+        rows = real(*a, **kw)
+        read.extend(r["id"] for r in rows)
+        return rows
+    monkeypatch.setattr(jobs, "placement_queue", recorded)
     sched.tick()
     assert read == []                           # nothing new, nothing read
     lc.hold(waiter["id"])                       # it waited for a slot; now it is held
@@ -310,3 +314,13 @@ def test_a_page_of_jobs_that_wait_for_others_reads_their_states_once(world, monk
         assert jobs.get(db, a["id"])["pending_reason"] == (
             f"waiting for job {first[i % 2]['id']} (r{i % 2}, DISPATCHED) to succeed")
     assert jobs.get(db, orphan["id"])["state"] == "FAILED"
+
+
+def test_states_of_more_jobs_than_one_query_takes(tmp_path):
+    """A whole-queue pass asks for the states of everything its jobs run after at once:
+    more ids than one query's variables are read in parts."""
+    db = Database(tmp_path / "gpuctl.db")
+    lc = Lifecycle(db)
+    made = [lc.submit(spec(f"j{i}"))["id"] for i in range(3)]
+    found = jobs.states(db, list(range(-1200, 0)) + made)    # made: in the third part
+    assert found == {i: ("QUEUED", f"j{n}") for n, i in enumerate(made)}

@@ -91,21 +91,20 @@ def placement_queue(db, room=None, after=None, limit=None):
                 " OR pending_reason IS NULL OR (cpu_only != 0 AND ?)"
                 " OR (cpu_only = 0 AND gpus <= ?))")
         args = (int(bool(room[1])), int(room[0]))
+    order = " ORDER BY priority DESC, queued_at, id LIMIT ?"
     if after is None:
-        return db.query(sql + " ORDER BY priority DESC, queued_at, id"
-                        + (" LIMIT ?" if limit is not None else ""),
-                        args + ((int(limit),) if limit is not None else ()))
+        return db.query(sql + order, args + (-1 if limit is None else int(limit),))
     # What follows `after`, as two seeks along jobs_queue: the rest of its priority, then
     # the lower ones. One condition with OR walked the index from the queue's head at
     # every page, which made a pass over a queue that holds many jobs it reads
-    # (held, waiting for others) quadratic.
+    # (held, waiting for others) quadratic. (LIMIT -1: no limit.)
     p, q, i = after
-    limit = -1 if limit is None else int(limit)
     rows = db.query(sql + " AND priority = ? AND (queued_at, id) > (?, ?)"
-                    " ORDER BY queued_at, id LIMIT ?", args + (p, q, i, limit))
-    if limit < 0 or len(rows) < limit:
-        rows += db.query(sql + " AND priority < ? ORDER BY priority DESC, queued_at, id"
-                         " LIMIT ?", args + (p, limit if limit < 0 else limit - len(rows)))
+                    " ORDER BY queued_at, id LIMIT ?",
+                    args + (p, q, i, -1 if limit is None else int(limit)))
+    if limit is None or len(rows) < limit:
+        rows += db.query(sql + " AND priority < ?" + order,
+                         args + (p, -1 if limit is None else int(limit) - len(rows)))
     return rows
 
 
@@ -219,13 +218,16 @@ def set_stop_reason(conn, job_id, stop_reason):
 
 
 def states(db, job_ids):
-    """{job id: (state, name)} of the given jobs that exist."""
+    """{job id: (state, name)} of the given jobs that exist. 500 ids a query: the
+    scheduler asks for all that a page of the queue (or the whole queue) runs after."""
     ids = sorted({int(i) for i in job_ids})
-    if not ids:
-        return {}
-    rows = db.query(f"SELECT id, state, name FROM jobs WHERE id IN ({','.join('?' * len(ids))})",
-                    ids)
-    return {r["id"]: (r["state"], r["name"]) for r in rows}
+    out = {}
+    for at in range(0, len(ids), 500):
+        chunk = ids[at:at + 500]
+        out.update((r["id"], (r["state"], r["name"])) for r in db.query(
+            f"SELECT id, state, name FROM jobs WHERE id IN ({','.join('?' * len(chunk))})",
+            chunk))
+    return out
 
 
 def dependency_map(conn):
