@@ -90,9 +90,19 @@ def base(key):
     return " ".join(w for w in words(key) if w not in EVAL_WORDS and w not in TRAIN_WORDS)
 
 
+# Lightning names a metric logged per step and its mean per epoch with these suffixes
+# (`train_loss_step`, `train_loss_epoch`): the metric, not a counter.
+_AGGREGATE = re.compile(r"[_/.\-](step|epoch)$")
+
+
 def is_step_like(key):
-    """A counter or a schedule (epoch, step, lr, ...), not a result."""
-    return bool(_STEP_LIKE.search(key.lower()))
+    """A counter or a schedule (epoch, step, lr, ...), not a result. A metric with
+    Lightning's `_step` / `_epoch` suffix (`train_loss_step`) is the metric."""
+    low = key.lower()
+    if not _STEP_LIKE.search(low):
+        return False
+    rest = _AGGREGATE.sub("", low)
+    return rest == low or not any(w in MIN_WORDS or w in MAX_WORDS for w in words(rest))
 
 
 def is_lr(key):

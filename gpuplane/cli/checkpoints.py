@@ -136,9 +136,11 @@ def add_parser(subparsers):
     p.set_defaults(func=cmd_metric_unset)
 
     # -- import-run ---------------------------------------------------------------------
-    p = command(subparsers, "import-run", "turn TensorBoard event files and checkpoints "
-                "under DIR into an imported run (again: adds nothing)", parents=(conn, js))
-    p.add_argument("dir", metavar="DIR")
+    p = command(subparsers, "import-run", "turn the training logs (TensorBoard event files, "
+                "trainer_state.json, Keras / Lightning CSV logs, YOLO results.csv) and "
+                "checkpoints under PATH into an imported run (again: adds nothing)",
+                parents=(conn, js))
+    p.add_argument("dir", metavar="PATH", help="a directory, or one log file")
     p.add_argument("--project", required=True, metavar="P")
     p.add_argument("--experiment", default="", metavar="E")
     p.add_argument("--name", metavar="NAME", help="run name (default: DIR's name)")
