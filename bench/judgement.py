@@ -17,6 +17,15 @@ and its accuracy, trend contradictions; then every miss and false alarm with the
     .venv/bin/python bench/judgement.py                 # the tuning half
     .venv/bin/python bench/judgement.py --holdout       # both halves (report only)
     .venv/bin/python bench/judgement.py --holdout --fresh   # and the fresh part
+    .venv/bin/python bench/judgement.py --public-only       # the public logs alone
+
+The second corpus is published training logs that nobody here wrote
+(bench/data/public_logs/corpus.json: Hugging Face trainer_state.json, Keras and Lightning
+CSV logs, YOLO results.csv from public repositories, each with its source and a label read
+from its numbers before any scoring). Each goes through a real server (gunicorn in a temp
+home, bench/harness.py): `gpuplane import-run`'s importer sends it over REST, the server's
+event engine judges its points as they arrive, and the run's events, GET
+/runs/<id>/diagnosis and the per-key trends of GET /runs/<id>/metrics are read back.
 
 The held-out half is scored only with --holdout: thresholds are set on the tuning half.
 The fresh part (bench/data/real_runs_fresh.json.gz: `bench/real_corpus.py --fresh 1`, the
@@ -46,6 +55,7 @@ from gpuplane.events import Engine  # noqa: E402
 from gpuplane.metricwire import parse_batch  # noqa: E402
 
 DATA = ROOT / "bench" / "data" / "real_runs.json.gz"
+PUBLIC = ROOT / "bench" / "data" / "public_logs"
 FRESH = ROOT / "bench" / "data" / "real_runs_fresh.json.gz"
 FRESH2 = ROOT / "bench" / "data" / "real_runs_fresh2.json.gz"
 BATCH_STEPS = 50            # an SDK flush: this many steps of points per batch
@@ -138,6 +148,136 @@ def judge_all(corpus_runs):
     db.close() if hasattr(db, "close") else None
     tmp.cleanup()
     return out
+
+
+# -- the public logs, through a real server -------------------------------------------------
+
+PUBLIC_RULES = ("LOSS_NAN", "LOSS_SPIKE", "LOSS_DIVERGED", "OVERFITTING_SUSPECTED")
+PUBLIC_EXPECTED = {"healthy": set(), "not_learning": set(), "overfit": {"OVERFITTING_SUSPECTED"},
+                   "diverged": {"LOSS_DIVERGED"}, "spike": {"LOSS_SPIKE"},
+                   "recovered": {"LOSS_DIVERGED"}}
+PUBLIC_ALSO = {"diverged": {"LOSS_SPIKE"}, "recovered": {"LOSS_SPIKE"}}
+PUBLIC_VERDICT = {"healthy": "healthy", "not_learning": "not learning",
+                  "overfit": "overfitting", "diverged": "diverging", "spike": "unstable",
+                  "recovered": "unstable"}
+# A verdict that says nothing is wrong beside a standing warning or critical event on the
+# run contradicts it (docs/events.md: the two tell one story).
+CALM = ("healthy",)
+
+
+def public_corpus():
+    data = json.loads((PUBLIC / "corpus.json").read_text())
+    return [r for r in data["runs"] if r["label"] in PUBLIC_VERDICT]
+
+
+def judge_public(corpus_runs):
+    """Each log imported through a real server; what the server then says of it."""
+    from bench.harness import free_port, start_server, stop_server
+    from gpuplane.cli import importer
+    from gpuplane.client import Client
+    home = pathlib.Path(tempfile.mkdtemp(prefix="gpuplane-public-"))
+    proc, url, token = start_server(home, free_port(), threads=16)
+    out = []
+    try:
+        client = Client(server=url, token=token, home=str(home))
+        for r in corpus_runs:
+            got = importer.import_dir(client, str(PUBLIC / r["file"]), project="public",
+                                      name=r["id"])
+            run_id = got["run_id"]
+            evs = _settled_events(client, run_id)
+            diag = client.get_run_diagnosis(run_id)
+            keys = client.list_run_metrics(run_id)
+            found = {}
+            for e in evs:
+                if e.get("severity") in ("warning", "critical"):
+                    found.setdefault(e["type"], e)
+            out.append({"run": r, "found": found, "events": evs, "diag": diag,
+                        "trends": {k["key"]: k.get("trend") for k in keys}})
+    finally:
+        stop_server(proc)
+    return out
+
+
+def _settled_events(client, run_id, quiet_s=0.3, timeout_s=30):
+    """The run's events once the server's engine has judged its points: the engine works on
+    its own thread, so the list is read until it stops changing for `quiet_s`."""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        evs = client.list_events(run=run_id, limit=500)["events"]
+        sig = [(e["id"], e.get("count")) for e in evs]
+        if sig != last:
+            last, since = sig, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return evs
+        time.sleep(0.05)
+    return evs
+
+
+def public_contradictions(res):
+    """A calm verdict beside a standing warning or critical event of the run."""
+    bad = [t for t, e in res["found"].items() if t in PUBLIC_RULES]
+    if res["diag"]["verdict"] in CALM and bad:
+        return [f"verdict '{res['diag']['verdict']}' beside {', '.join(sorted(bad))}"]
+    return []
+
+
+def print_public(name, results, detail=True):
+    n = len(results)
+    healthy = [res for res in results if res["run"]["label"] == "healthy"]
+    warned = [res for res in healthy if set(res["found"]) & set(PUBLIC_RULES)]
+    print(f"\n== public {name}: {n} runs ({len(healthy)} healthy), from "
+          f"{len({res['run']['repo'] for res in results})} repositories, kinds "
+          f"{', '.join(sorted({res['run']['kind'] for res in results}))} ==")
+    print(f"{'rule':24} {'TP':>3} {'FP':>3} {'FN':>3} {'precision':>9} {'recall':>7}")
+    lines = []
+    for rule in PUBLIC_RULES:
+        tp = fp = fn = 0
+        for res in results:
+            label = res["run"]["label"]
+            want = rule in PUBLIC_EXPECTED[label]
+            got = rule in res["found"]
+            if rule in PUBLIC_ALSO.get(label, ()) and not want:
+                continue
+            if want and got:
+                tp += 1
+            elif want:
+                fn += 1
+                lines.append(f"  MISS {rule}: {res['run']['id']}: {res['run']['why']}")
+            elif got:
+                fp += 1
+                e = res["found"][rule]
+                lines.append(f"  FALSE ALARM {rule}: {res['run']['id']}: step {e.get('step')}: "
+                             f"{(e.get('message') or '')[:200]}")
+        p = tp / (tp + fp) if tp + fp else float("nan")
+        rc = tp / (tp + fn) if tp + fn else float("nan")
+        print(f"{rule:24} {tp:3d} {fp:3d} {fn:3d} {p:9.2f} {rc:7.2f}")
+    right = [res for res in results
+             if res["diag"]["verdict"] == PUBLIC_VERDICT[res["run"]["label"]]]
+    print(f"healthy runs warned: {len(warned)} of {len(healthy)}")
+    print(f"diagnose_run right: {len(right)} of {n} ({100 * len(right) / max(1, n):.0f}%)")
+    print(f"{'label':14} {'runs':>4} {'right':>5}  verdicts given")
+    for lab in sorted({res["run"]["label"] for res in results}):
+        rs = [res for res in results if res["run"]["label"] == lab]
+        given = {}
+        for res in rs:
+            given[res["diag"]["verdict"]] = given.get(res["diag"]["verdict"], 0) + 1
+        ok = sum(res["diag"]["verdict"] == PUBLIC_VERDICT[lab] for res in rs)
+        print(f"{lab:14} {len(rs):4d} {ok:5d}  "
+              + ", ".join(f"{v} {c}" for v, c in sorted(given.items())))
+    contra = [(res, c) for res in results for c in public_contradictions(res)]
+    print(f"verdict/event contradictions: {len(contra)}")
+    if not detail:
+        return
+    for line in lines:
+        print(line)
+    for res in results:
+        want = PUBLIC_VERDICT[res["run"]["label"]]
+        if res["diag"]["verdict"] != want:
+            print(f"  DIAGNOSE {res['run']['id']}: '{res['diag']['verdict']}' (want '{want}'): "
+                  f"{(res['diag']['evidence'] or [''])[0][:200]}")
+    for res, c in contra:
+        print(f"  CONTRADICTION {res['run']['id']}: {c}")
 
 
 # -- trend contradictions -----------------------------------------------------------------------
@@ -290,7 +430,20 @@ def main():
                     help=f"also score the fresh parts ({FRESH.relative_to(ROOT)}, "
                          f"{FRESH2.relative_to(ROOT)})")
     ap.add_argument("--quiet", action="store_true", help="the tables only")
+    ap.add_argument("--public-only", action="store_true",
+                    help="the public logs alone (bench/data/public_logs), not the real runs")
     args = ap.parse_args()
+    public_halves = ["tune"] + (["holdout"] if args.holdout else [])
+    pub = [r for r in public_corpus() if r["half"] in public_halves]
+    t = time.perf_counter()
+    pub_results = judge_public(pub)
+    print(f"public logs: {PUBLIC.relative_to(ROOT)}: {len(public_corpus())} labelled runs; "
+          f"judged {len(pub)} through a real server in {time.perf_counter() - t:.1f} s")
+    for h in public_halves:
+        print_public(h, [res for res in pub_results if res["run"]["half"] == h],
+                     detail=not args.quiet)
+    if args.public_only:
+        return 0
     data = load(args.data)
     halves = ["tune"] + (["holdout"] if args.holdout else [])
     if args.fresh:
