@@ -206,7 +206,7 @@ class ControlOut(Out):
 class DiagnosisOut(Out):
     run_id: int
     verdict: Literal["healthy", "diverging", "not learning", "unstable", "overfitting",
-                     "plateaued", "stalled", "failed", "too early to tell"]
+                     "plateaued", "stalled", "failed", "too early to tell", "no data"]
     summary: str
     advice: str = Field("", description="what to do about the verdict, in a sentence")
     evidence: list[str]
@@ -1000,7 +1000,7 @@ TOOLS = [
     # semantic
     Tool("diagnose_run", SEMANTIC,
          "Judge a run: healthy, diverging, not learning, unstable, overfitting, plateaued, "
-         "stalled, failed or too early to tell, with the evidence, how sure it is and "
+         "stalled, failed, too early to tell or no data, with the evidence, how sure it is and "
          "next_actions (tool calls to make next).",
          DiagnoseIn, DiagnosisOut,
          lambda gp, a: gp.client.get_run_diagnosis(a.run_id, key=a.key)),

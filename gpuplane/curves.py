@@ -29,8 +29,12 @@ TREND_MIN_REL = 0.005     # ... and beyond 0.5% of the level
 TREND_SHARE_APART = 0.7   # ... and 70% of the pairs of points across the windows agree
 TREND_APART_Z = 1.5       # ... which on short windows is no chance: a rank-sum z beyond 1.5
 DIVERGE_RATIO = 1.5       # diverged: a loss whose end level is 1.5x its first values
-NOT_LEARNING_SHARE = 0.10  # not learning: the end within 10% of the start level
-MIN_POINTS = 10           # fewer points: too early to judge
+NOT_LEARNING_SHARE = 0.10  # learning for sure: the end 10% of its level below the start
+LEARN_MIN_SHARE = 0.02     # not learning whatever the noise: the end within 2% of the start
+LEARN_Z = 5.0              # between: learning when the fall is beyond 5 standard errors of
+                           # the start and end levels (the curve's own noise, not its start)
+MIN_POINTS = 10           # fewer points: too early to judge a running run
+MIN_FINAL_POINTS = 4      # ... a run that has ended is judged from this many
 
 
 def finite_points(points):
@@ -106,6 +110,9 @@ def facts(points, direction, head=None, spikes=None):
         # from the higher of the start level and the first values: a run that learns within
         # its first 10% has a start level near its end, but not its first values
         "improvement_share": (max(start, first3) - end) / scale,
+        # the standard error of the start and end levels (medians of ks and ke points)
+        "gain_se": 1.253 * nz * math.sqrt(1.0 / ks + 1.0 / ke),
+        "gain": max(start, first3) - end,
         "spikes": [{k: v for k, v in x.items() if k != "finding"} for x in spikes or ()],
         "spikes_judged": spikes is not None,
         "nonfinite": nonfinite,
@@ -176,8 +183,16 @@ def diverged(f):
 
 
 def not_learning(f):
-    """The curve ends where it started: within NOT_LEARNING_SHARE of its start level (and
-    its best logged point is no better than that either, beyond the noise)."""
-    if f is None or f["direction"] is None or f["points"] < MIN_POINTS:
+    """The curve ends where it started, judged against its own noise and scale: a fall of
+    NOT_LEARNING_SHARE of its level is learning; under LEARN_MIN_SHARE it is not, however
+    smooth (a loss that creeps 1% towards the mean's); between the two, learning is a fall
+    beyond LEARN_Z standard errors of the start and end levels. A fine-tune starts near its
+    floor: its slow fall is told from noise, not from a share of where it began."""
+    if f is None or f["direction"] is None or f["points"] < MIN_POINTS or diverged(f):
         return False
-    return f["improvement_share"] < NOT_LEARNING_SHARE and not diverged(f)
+    share = f["improvement_share"]
+    if share >= NOT_LEARNING_SHARE:
+        return False
+    if share < LEARN_MIN_SHARE:
+        return True
+    return not f["gain"] > LEARN_Z * f["gain_se"]

@@ -46,6 +46,7 @@ def trend(series_points, d):
 
 # diagnose_run thresholds (docs/mcp.md explains each); the curve's own are in curves.py.
 MIN_POINTS = curves.MIN_POINTS   # fewer points in the judged curve: too early to tell
+MIN_FINAL_POINTS = curves.MIN_FINAL_POINTS  # ... of a run that has ended: judged from these
 MAX_CURVE_POINTS = 2000      # longer curves (raw points) are judged as bucket means
 PLATEAU_SHARE = 0.02         # plateaued (a running run): the last 30% gained < 2% ...
 PLATEAU_WINDOW = 0.3
@@ -57,7 +58,7 @@ STALL_INTERVALS = 10         # ... 10 times the run's usual interval between poi
 SIGNIFICANT_SIGMAS = 2.0     # compare_runs: a difference beyond 2 combined noise widths
 
 VERDICTS = ("healthy", "diverging", "not learning", "unstable", "overfitting", "plateaued",
-            "stalled", "failed", "too early to tell")
+            "stalled", "failed", "too early to tell", "no data")
 # What to do, per verdict: in every diagnosis as `advice`, whether or not a job ran the run
 # (next_actions can resubmit only a job's command).
 ADVICE = {
@@ -78,6 +79,10 @@ ADVICE = {
                "retry",
     "failed": "explain_failure finds the cause in the job's log",
     "too early to tell": "wait for more points, then diagnose again",
+    "no data": "GPUPlane saw no curve it can judge: if the script logs to a file GPUPlane "
+               "does not watch (a CSV, a trainer_state.json, TensorBoard files outside the "
+               "job's working dir), `gpuplane import-run PATH` brings it in; else log the "
+               "loss with the SDK (run.log) or to TensorBoard",
 }
 
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -174,8 +179,16 @@ def _overfit(fe, ft):
     back = _bad(fe, "end_level") - _bad(fe, "best_level")
     scale = max(abs(fe["best_level"]), 1e-12)
     return (back > OVERFIT_SHARE * scale and back > OVERFIT_SIGMAS * fe["noise"]
-            and fe["best_at"] < 0.85 and ft["improvement_share"] > curves.NOT_LEARNING_SHARE
+            and fe["best_at"] < 0.85 and not curves.not_learning(ft)
+            and ft["improvement_share"] > curves.LEARN_MIN_SHARE
             and not curves.diverged(ft))
+
+
+def _improved(f):
+    """The curve ended better than it started, beyond its own noise and a sliver of its
+    level (curves.not_learning's tests, for any curve)."""
+    return (f["improvement_share"] >= curves.LEARN_MIN_SHARE
+            and f["gain"] > curves.LEARN_Z * f["gain_se"])
 
 
 def _plateaued(f):
@@ -201,14 +214,34 @@ def pick_primary(keys, primary=None):
 
 
 def _train_key(keys):
+    """The train curve: a train loss, the one logged most often (Lightning's
+    `train_loss_step` over its `train_loss_epoch`, `loss` over HF's one-point `train_loss`)."""
+    count = {k["key"]: k.get("count") or len(k.get("points") or ()) for k in keys}
     names = [k["key"] for k in keys if not _is_system(k["key"])
              and (k.get("direction") or vocab.name_direction(k["key"]))]
     for test in (lambda n: is_train_key(n) and _is_loss_like(n),
                  lambda n: _is_loss_like(n) and not is_eval_key(n), is_train_key):
         hit = [n for n in names if test(n)]
         if hit:
-            return sorted(hit)[0]
+            return sorted(hit, key=lambda n: (-count[n], n))[0]
     return None
+
+
+def _eval_losses(keys, main):
+    """Every loss-like eval key of the run, the decisive one first: each is judged for
+    overfitting against the train loss of the same kind (val/obj_loss with train/obj_loss)."""
+    names = sorted(k["key"] for k in keys if is_eval_key(k["key"]) and _is_loss_like(k["key"])
+                   and (k.get("direction") or vocab.name_direction(k["key"])))
+    return ([main] if main in names else []) + [n for n in names if n != main]
+
+
+def _train_pair(keys, eval_key):
+    """The train key of the same base as an eval key (rules.eval_pair), or None."""
+    base = vocab.base(eval_key)
+    hit = [k["key"] for k in keys if not is_eval_key(k["key"]) and not _is_system(k["key"])
+           and vocab.base(k["key"]) == base and (k.get("direction")
+                                                 or vocab.name_direction(k["key"]))]
+    return sorted(hit)[0] if hit else None
 
 
 # -- diagnose_run ----------------------------------------------------------------------------
@@ -230,7 +263,9 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     # are all there (not bucket means) is run through it with the run's learning rate;
     # a downsampled one is judged by the run's LOSS_SPIKE events (the rule on raw points)
     lr = next((k.get("points") or [] for k in keys if vocab.is_lr(k["key"]) and _raw(k)), [])
-    for name in {main, train} - {None}:
+    evals = _eval_losses(keys, main)
+    pairs = {e: _train_pair(keys, e) for e in evals}
+    for name in ({main, train} | set(evals) | set(pairs.values())) - {None}:
         k = by_key[name]
         facts[name] = curve_facts(k.get("points") or [], k["direction"], head=k.get("head"),
                                   spike_key=name if _raw(k) else None, lr_points=lr)
@@ -298,8 +333,13 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                                    "deadlock), cancel and retry", job_id=job_id))
             return result("stalled", f"run {run_id} stopped reporting metrics", acts)
 
+    ended = state in FINAL_STATES
+    need = MIN_FINAL_POINTS if ended else MIN_POINTS
+
     def enough(name):
-        return bool(name and facts.get(name) and facts[name]["points"] >= MIN_POINTS)
+        # a run still running waits for MIN_POINTS; one that has ended is judged from what
+        # it logged (an eval once an epoch, a sparse logger), and says how much that was
+        return bool(name and facts.get(name) and facts[name]["points"] >= need)
 
     if not enough(main) and enough(train) and primary is None:
         # An eval metric logged once per epoch is often too short to judge; the train
@@ -307,10 +347,28 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
         have = facts[main]["points"] if main and facts.get(main) else 0
         evidence.append(f"{main} has only {have} points; judged {train} instead")
         main = train
+    if not enough(main) and ended:
+        have = facts[main]["points"] if main and facts.get(main) else 0
+        logged = sum(k.get("count") or len(k.get("points") or ()) for k in keys
+                     if not _is_system(k["key"]))
+        if not logged:
+            why = (f"the run ended {state} without logging a metric: it was cancelled or "
+                   "failed before its first log, or it logs to a place GPUPlane does not "
+                   "watch")
+        elif main is None:
+            why = ("the run logged no metric whose direction is known (a loss, an accuracy, "
+                   "or a key with a metric definition)")
+        else:
+            why = (f"the run ended with {have} points of {main}, fewer than the "
+                   f"{MIN_FINAL_POINTS} a curve needs to be judged")
+        evidence.insert(0, why)
+        sure.update(level="low", points=have, why="no judgeable curve")
+        return result("no data", f"run {run_id} has no curve to judge", [
+            action("get_metric_summary", "see what the run did log", run_id=run_id)])
     if not enough(main):
         have = facts[main]["points"] if main and facts.get(main) else 0
-        evidence.insert(0, f"{main or 'no metric'} has {have} points; "
-                           f"{MIN_POINTS} are needed to judge a curve")
+        evidence.insert(0, f"{main or 'no metric'} has {have} points so far; "
+                           f"{MIN_POINTS} are needed to judge a running run's curve")
         sure.update(level="low", points=have, why="too few points")
         acts = []
         if job_id and state not in FINAL_STATES:
@@ -325,6 +383,9 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
     # the curve that learns: the train loss when there is one, else the primary
     lname, lf = (train, ft) if ft else (main, f)
     few = lf["points"] < 3 * MIN_POINTS
+    if lf["points"] < MIN_POINTS:
+        evidence.append(f"judged from {lf['points']} points of {lname} (the run ended; "
+                        f"{MIN_POINTS} or more make a surer judgement)")
 
     # Diverging without a NaN: the loss ends far above its first values, or learnt and
     # then gave most of it back and stayed there.
@@ -344,18 +405,45 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
             what = (f"ended far above where it started ({_fmt(cf['end_level'])} smoothed, "
                     f"against {_fmt(min(cf['first_level'], cf['start_level']))} at first)"
                     if far else f"got worse after step {cf['best_level_step']} and stayed")
+            resume = (f"; resume from a checkpoint at or before step {cf['best_level_step']}, "
+                      "where it was best, if one was saved" if cf["best_level_step"] >
+                      cf["first_step"] else "; it was never better than at its first "
+                      "logged step, so no checkpoint of this run is worth resuming from: "
+                      "start again")
             return result("diverging", f"{name} {what}",
                           _fix_actions(run, job_id, "lower the learning rate (by 3-10x) or "
-                                       "clip gradients; resume from the checkpoint before "
-                                       f"step {cf['best_level_step']} if there is one"))
+                                       "clip gradients" + resume))
 
-    if curves.not_learning(lf) and (lf is f or curves.not_learning(f) or
-                                    f["improvement_share"] < 3 * curves.NOT_LEARNING_SHARE):
+    # A LOSS_DIVERGED event that no longer holds (the loss came back down): the run was
+    # unstable, and the verdict says so beside the event instead of calling it healthy.
+    div = next((e for e in bad_events if e.get("type") == "LOSS_DIVERGED"), None)
+    if div is not None:
+        dkey = (div.get("data") or {}).get("key") or lname
+        back = _back_below(by_key.get(dkey), div)
+        evidence.insert(0, f"{dkey} diverged at step {div.get('step')} (LOSS_DIVERGED)"
+                        + (f" and recovered by step {back}" if back is not None else "")
+                        + f"; {_levels_text(lname, lf, by_key.get(lname))}")
+        confident("high", lname, "a LOSS_DIVERGED event and the curve since")
+        acts = resubmit(run.get("job"), "lower the peak learning rate or clip gradients "
+                        "(the loss blew up before it came back): change the command before "
+                        "submitting")
+        return result("unstable", f"{dkey} diverged at step {div.get('step')}"
+                      + (f" and recovered by step {back}" if back is not None else ""), acts)
+
+    # Not learning: the train curve ends where it started (within its noise and scale,
+    # curves.not_learning), or it fell a little (memorising) while the decisive eval curve
+    # did not improve beyond its own noise.
+    if (curves.not_learning(lf) and (lf is f or curves.not_learning(f) or
+                                     f["improvement_share"] < 3 * curves.NOT_LEARNING_SHARE)) \
+            or (f is not lf and lf["improvement_share"] < curves.NOT_LEARNING_SHARE
+                and f["points"] >= MIN_POINTS and not _improved(f)):
         evidence.insert(0, _levels_text(lname, lf, by_key.get(lname)))
         share = lf["improvement_share"]
         confident("medium" if few or share > 0.5 * curves.NOT_LEARNING_SHARE else "high",
-                  lname, f"it gained {100 * share:.1f}% of its start level "
-                  f"(under {100 * curves.NOT_LEARNING_SHARE:.0f}% is not learning)")
+                  lname, f"it gained {100 * share:.1f}% of its start level, "
+                  + (f"under {100 * curves.LEARN_MIN_SHARE:.0f}%" if share <
+                     curves.LEARN_MIN_SHARE else f"{lf['gain'] / max(lf['gain_se'], 1e-300):.1f} "
+                     "standard errors of its start and end levels, within its noise"))
         acts = []
         if job_id and state not in FINAL_STATES:
             acts.append(action("cancel_job", "it does not learn; stop to free the GPU",
@@ -393,13 +481,25 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                                   job_id=job_id, timeout_s=600))
         return result("unstable", f"{lname} has large spikes it recovers from", acts)
 
-    if is_eval_key(main) and main != lname and (_overfit(f, ft or lf) or
-                                                "OVERFITTING_SUSPECTED" in kinds):
+    ov = next((e for e in bad_events if e.get("type") == "OVERFITTING_SUSPECTED"), None)
+    ov_key = (ov.get("data") or {}).get("eval_key") if ov else None
+    for ek in ([ov_key] if ov_key in facts else []) + evals:
+        fe = facts.get(ek)
+        tk = pairs.get(ek)
+        fp = facts.get(tk) if tk and enough(tk) else (ft or lf)
+        if ek == lname or not enough(ek) or not (ek == ov_key or _overfit(fe, fp)):
+            continue
+        main, f = ek, fe
+        lname, lf = (tk, fp) if fp is facts.get(tk) else (lname, lf)
+        break
+    if is_eval_key(main) and main != lname and (_overfit(f, ft or lf) or main == ov_key
+                                                or "OVERFITTING_SUSPECTED" in kinds):
         evidence.insert(0, _levels_text(main, f, by_key.get(main)))
         evidence.insert(1, f"while {lname} kept improving ({_fmt(lf['start_level'])} -> "
                            f"{_fmt(lf['end_level'])}, smoothed)")
         back = _bad(f, "end_level") - _bad(f, "best_level")
-        confident("medium" if f["points"] < MIN_POINTS * 2 else "high", main,
+        confident("low" if f["points"] < MIN_POINTS else
+                  "medium" if f["points"] < MIN_POINTS * 2 else "high", main,
                   f"the end level is {_fmt(back)} worse than the best level "
                   f"({100 * back / max(abs(f['best_level']), 1e-12):.0f}%; noise "
                   f"{_fmt(f['noise'])})")
@@ -452,6 +552,20 @@ def diagnose_run(run, keys, events=(), now_ms=None, primary=None):
                            run_id=run_id))
     return result("healthy", f"run {run_id} is learning as expected" if state not in
                   FINAL_STATES else f"run {run_id} trained as expected", acts)
+
+
+def _back_below(k, event):
+    """The first logged step after a LOSS_DIVERGED event's step at which its key is back
+    under the level the rule calls diverged (diverge_ratio x its first values), or None."""
+    data = (event or {}).get("data") or {}
+    first, step = data.get("first_level"), event.get("step")
+    if not k or first is None or step is None:
+        return None
+    limit = rules.DEFAULTS["diverge_ratio"] * first
+    for s, v in k.get("points") or ():
+        if s > step and math.isfinite(num(v)) and num(v) <= limit:
+            return s
+    return None
 
 
 def _stall(run, keys, now_ms):

@@ -113,3 +113,66 @@ def test_import_run_reads_a_log_file_and_a_directory_of_logs(run_cli, live_serve
     bad.write_text("a,b\n1,2\n")
     assert "not a training log" in run_cli("import-run", str(bad), "--project", "pub",
                                            code=1).err
+
+
+# -- the judgement on them ----------------------------------------------------------------
+
+def keys_of(run_id):
+    """The run's keys as the semantic layer gets them (raw points: the logs are short)."""
+    from gpuplane import vocab
+    out = []
+    for key, pts in points(run_id).items():
+        d = vocab.name_direction(key)
+        best = (min if d == "min" else max)(pts, key=lambda p: p[1]) if d else None
+        out.append({"key": key, "direction": d, "points": [list(p) for p in pts],
+                    "count": len(pts), "latest": {"step": pts[-1][0], "value": pts[-1][1],
+                                                  "ts": None},
+                    "best": best and {"step": best[0], "value": best[1]}})
+    return out
+
+
+def diagnose(run_id, state="SUCCEEDED", events=()):
+    from gpuplane import semantic
+    return semantic.diagnose_run({"id": 1, "job_id": None, "state": state},
+                                 keys_of(run_id), events)
+
+
+def test_five_evals_rising_while_the_loss_falls_is_overfitting():
+    """Whisper fine-tune: eval_loss 0.307 -> 0.468 over its 5 evals (once every 1000
+    steps) while the 4-decimal loss falls to 0.0002: judged from the evals there are, with
+    the confidence saying how few."""
+    d = diagnose("merlinmy-whisper-hi")
+    assert d["verdict"] == "overfitting" and d["primary_key"] == "eval_loss", d
+    assert d["confidence"]["level"] == "low"
+
+
+def test_a_loss_that_creeps_towards_the_mean_is_not_learning():
+    d = diagnose("diogo-lstm-v3")
+    assert d["verdict"] == "not learning", d
+    assert "under 2%" in d["confidence"]["why"]
+
+
+def test_a_sparse_ended_run_is_judged_a_running_one_waits():
+    """4 evals and 8 train logs: an ended run is judged from them; the same points while
+    it runs are too early."""
+    assert diagnose("jimmymendez-canine")["verdict"] == "healthy"
+    assert diagnose("jimmymendez-canine", state="RUNNING")["verdict"] == "too early to tell"
+
+
+def test_an_ended_run_without_points_has_no_data_and_says_why():
+    from gpuplane import semantic
+    d = semantic.diagnose_run({"id": 1, "job_id": None, "state": "CANCELLED"}, [])
+    assert d["verdict"] == "no data" and "without logging a metric" in d["evidence"][0]
+    assert "import-run" in d["advice"] and "wait" not in d["advice"]
+
+
+def test_a_divergence_that_recovered_is_unstable_beside_its_event():
+    """A LOSS_DIVERGED event standing on a run whose loss came back down (the Telugu
+    fine-tune's loss, 4.36 -> 0.10, against an event that saw it at 2.5x a first level of
+    1.5): the verdict is not calm beside the critical event, and says when it came back."""
+    ev = {"type": "LOSS_DIVERGED", "severity": "critical", "step": 100,
+          "message": "loss has risen", "data": {"key": "loss", "first_level": 1.5}}
+    d = diagnose("anitha1406-telugu", events=[ev])
+    assert d["verdict"] == "unstable", d
+    assert d["summary"] == "loss diverged at step 100 and recovered by step 250"
+    assert diagnose("anitha1406-telugu")["verdict"] == "healthy"

@@ -12,7 +12,7 @@ run_id_type = id_type("run", "gpuplane run list")
 def add_parser(subparsers):
     conn, js, _ = parents()
     p = command(subparsers, "diagnose", "judge a run: healthy, diverging, not learning, "
-                "unstable, overfitting, plateaued, stalled, failed or too early to tell",
+                "unstable, overfitting, plateaued, stalled, failed, too early to tell or no data",
                 parents=(conn, js))
     p.add_argument("run_id", type=run_id_type, metavar="RUN")
     p.add_argument("--key", metavar="KEY", help="the metric to judge (default: the primary)")
