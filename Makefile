@@ -10,18 +10,26 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 
-# Reinstall only when the dependency list changes.
+# Reinstall only when the dependency list changes. `make up` needs only what running
+# needs; the test tools (pytest, ruff, mypy, uv, playwright, ...) come with `make install`,
+# `make lint` and `make test`.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-test
 
+# `make up PORT=8611` when 8600 is taken.
+PORT ?=
 up: $(VENV)/.installed
-	$(BIN)/gpuplane up --example
+	$(BIN)/gpuplane up --example$(if $(PORT), --port $(PORT))
 
 # The linter and the type checker first (seconds), then the suite (minutes).
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
@@ -36,7 +44,7 @@ test: lint
 MANDIR ?= man
 MANPAGE = $(BIN)/argparse-manpage --project-name GPUPlane --manual-title "GPUPlane manual" \
 	--version "$$($(BIN)/python -c 'import gpuplane; print(gpuplane.__version__)')"
-man: $(VENV)/.installed
+man: $(VENV)/.installed-test
 	mkdir -p $(MANDIR)
 	$(MANPAGE) --module gpuplane.cli --function get_parser --prog gpuplane \
 		--description "a control plane for training on personal and small GPU machines" \

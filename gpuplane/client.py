@@ -53,10 +53,11 @@ def _connect_url(host, port):
 
 
 def local_server(home=None):
-    """(url, admin_token, server.toml path) of the server configured in the local home.
+    """(url, admin_token, server.toml path) of the server of the local home.
 
-    The url comes from host/port (what this host can reach), else public_url. Either
-    part is None when there is no such configuration.
+    The url is where the server running on this home listens (it may have been started
+    with --port), else host/port of server.toml (what this host can reach), else
+    public_url. Either part is None when there is no such configuration.
     """
     from gpuplane import config
 
@@ -65,7 +66,10 @@ def local_server(home=None):
     if not path.exists():
         return None, None, path
     cfg = config.load_server_config(home)
-    if cfg.get("port"):
+    running = config.running_address(home)
+    if running:
+        url = running
+    elif cfg.get("port"):
         url = _connect_url(cfg.get("host"), cfg["port"])
     else:
         url = cfg.get("public_url")

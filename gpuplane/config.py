@@ -262,6 +262,38 @@ def ensure_server_config(home, **overrides):
     return config, created
 
 
+# The address a running server really listens on (`gpuplane up --port N` and `gpuplane
+# server --port N` override server.toml): "PID URL", written once it is bound, removed at
+# exit. The CLI, the MCP server and `up`'s hints reach the server through it.
+ADDRESS_FILE = "server.address"
+
+
+def write_running_address(home, url):
+    atomic_write(pathlib.Path(home) / ADDRESS_FILE, f"{os.getpid()} {url}\n", mode=0o600)
+
+
+def clear_running_address(home):
+    path = pathlib.Path(home) / ADDRESS_FILE
+    try:
+        if path.read_text().split()[:1] == [str(os.getpid())]:
+            path.unlink()
+    except (OSError, IndexError):
+        pass
+
+
+def running_address(home):
+    """The URL of the server running on this home, or None (none runs, or it left no
+    address: a crash leaves a file whose process is gone)."""
+    try:
+        pid, url = (pathlib.Path(home) / ADDRESS_FILE).read_text().split()[:2]
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return url               # alive, under another user
+    except (OSError, ValueError):
+        return None
+    return url
+
+
 def atomic_write(path, text, mode=0o644):
     tmp = pathlib.Path(str(path) + ".partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)

@@ -56,8 +56,73 @@ def _worker_exit(server, worker):
         stop_app(app)
 
 
+def _when_ready(home):
+    def hook(arbiter):
+        # Bound: say where, for the CLI on this host (server.toml may name another port).
+        from .client import _connect_url
+        for listener in arbiter.LISTENERS:
+            name = listener.getsockname()
+            if isinstance(name, tuple):
+                config_mod.write_running_address(home, _connect_url(name[0], name[1]))
+                return
+    return hook
+
+
+def _on_exit(home):
+    def hook(arbiter):
+        config_mod.clear_running_address(home)
+    return hook
+
+
 class AlreadyRunning(Exception):
     pass
+
+
+class PortInUse(Exception):
+    pass
+
+
+def port_holder(host, port):
+    """None when (host, port) can be listened on; else who holds it, in words ("pid 412,
+    python3", or "another program" when this user may not see which)."""
+    import errno
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return None              # gunicorn says what is wrong with the host
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As gunicorn binds: a port left in TIME_WAIT by a stopped server is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        return None
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return None
+    finally:
+        sock.close()
+    try:
+        import psutil
+        for c in psutil.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return f"pid {c.pid}, {psutil.Process(c.pid).name()}"
+    except Exception:
+        pass
+    return "another program"
+
+
+def check_port(host, port, fix):
+    """Raise PortInUse with a sentence naming `fix` (the command to start on another
+    port) when (host, port) is taken."""
+    holder = port_holder(host, port)
+    if holder:
+        free = next((p for p in range(port + 1, min(port + 50, 65536))
+                     if port_holder(host, p) is None), None)
+        raise PortInUse(f"port {port} on {host} is in use by {holder}; start on another "
+                        "port: " + fix.format(port=free or "N"))
 
 
 def lock_home(home):
@@ -101,11 +166,16 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
     try:
         home.mkdir(parents=True, exist_ok=True)
         lock = lock_home(home)     # noqa: F841 (held until exit); before touching anything
+        # A taken port is said at once, before a first start writes its server.toml.
+        found = config_mod.load_server_config(home)
+        check_port(host or found["host"], int(port or found["port"]),
+                   "`gpuplane server --port {port}` (or `port = {port}` in "
+                   f"{home / 'server.toml'})")
         cfg, created = config_mod.ensure_server_config(home, host=host, port=port)
         if threads:
             cfg = cfg.replace(threads=int(threads))
         cfg = config_mod.check_server_config(cfg)
-    except (config_mod.ConfigError, AlreadyRunning) as e:
+    except (config_mod.ConfigError, AlreadyRunning, PortInUse) as e:
         print(f"gpuplane: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     make_private(home)
@@ -135,6 +205,8 @@ def serve(home=None, host=None, port=None, threads=None, log_level="info"):
         "control_socket_disable": True,  # gunicorn 27 would share $HOME/.gunicorn/*.ctl
         "post_worker_init": _post_worker_init,
         "worker_exit": _worker_exit,
+        "when_ready": _when_ready(home),
+        "on_exit": _on_exit(home),
     }
     # host and port as really bound, not as server.toml says: the gateway hands jobs
     # GPUCTL_SERVER from them (unless public_url is set, for agents on other hosts).

@@ -704,7 +704,8 @@ def test_up_on_another_port_than_server_toml_hands_jobs_the_real_address(tmp_pat
         text = out_path.read_text()
         assert proc.poll() is None, text
         url = f"http://127.0.0.1:{port}"
-        assert f"gpuplane --home {home} --server {url} token show-admin" in text
+        # The CLI follows the server `up` started (issue 36): only --home to add.
+        assert f"gpuplane --home {home} token show-admin" in text
         from agent import GpuProbe   # what the agent itself would find
         if not GpuProbe(0).nvml:
             assert "NOTE: " in text and "pretends this host has 2 GPUs" in text

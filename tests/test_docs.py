@@ -14,13 +14,15 @@ says how it is run:
 Every block runs with `bash -e -o pipefail` in the repository root, with the project's
 interpreter first on PATH (as after `source .venv/bin/activate`), HOME in a temporary
 directory (so `~/.gpuctl` is fresh) and GPUCTL_SERVER naming the server, whose port is
-free, not 8600.
+free, not 8600 — except the README's tour, which runs without GPUCTL_SERVER, as a reader
+whose port was taken would (see test_readme_tour).
 """
 import os
 import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -65,6 +67,7 @@ def blocks(path):
 
 
 ALL = [b for path in DOC_FILES for b in blocks(path)]
+README_TEXT = (ROOT / "README.md").read_text()
 
 
 def test_every_shell_block_is_run_or_says_why_not():
@@ -155,28 +158,43 @@ def _report(name, proc):
 # -- the README's tour --------------------------------------------------------------------
 
 
-def _make_up_argv():
+def _make_up_argv(port=None):
     # `make up` with this interpreter's environment as the Makefile's .venv, when it is
     # installed the way `make install` leaves it; else the same command, installed.
     stamp = pathlib.Path(sys.prefix) / ".installed"
     if shutil.which("make") and stamp.exists() and \
             stamp.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime:
-        return ["make", "-s", "up", f"VENV={sys.prefix}"]
-    return [sys.executable, "-m", "gpuplane", "up", "--example"]
+        return ["make", "-s", "up", f"VENV={sys.prefix}"] + ([f"PORT={port}"] if port else [])
+    return [sys.executable, "-m", "gpuplane", "up", "--example"] + (
+        ["--port", str(port)] if port else [])
 
 
 def test_readme_tour(tmp_path):
-    """README.md's tour, top to bottom, verbatim: `make up` in one terminal, the rest in
-    another. Slow-ish (the example job, the tour's job, two trainings and six evaluations:
-    about a minute)."""
+    """README.md's tour, top to bottom, verbatim, with the port it names taken by another
+    program: `make up` says so in a sentence and writes nothing; `make up PORT=N`, the one
+    change the README documents, in one terminal; the rest, as pasted, in another, with no
+    $GPUCTL_SERVER (the CLI finds the server `up` started). Slow-ish (the example job, the
+    tour's job, two trainings and six evaluations: about a minute)."""
     readme = [b for b in ALL if b.path.name == "README.md"]
     background = [b for b in readme if b.kind == "tour-background"]
     tour = [b for b in readme if b.kind == "tour"]
     assert [b.body.split("#")[0].strip() for b in background] == ["make up"]
     assert tour, "README.md has no tour blocks"
-    user_home, url = _prepare_home(tmp_path)
-    env = _env(user_home, url)
-    up = Up(_make_up_argv(), env, tmp_path / "up.log")
+    assert "make up PORT=" in README_TEXT
+    user_home, _ = _prepare_home(tmp_path)
+    toml = user_home / ".gpuctl" / "server.toml"
+    taken = int(toml.read_text().split("=")[1])
+    env = _env(user_home)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        refused = subprocess.run(_make_up_argv(), cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=60)
+    assert refused.returncode != 0
+    assert f"port {taken} on 127.0.0.1 is in use by" in refused.stderr, refused.stderr
+    assert "make up PORT=" in refused.stderr
+    assert toml.read_text() == f"port = {taken}\n"         # nothing written
+    up = Up(_make_up_argv(free_port()), env, tmp_path / "up.log")
     try:
         up.wait_ready()
         text = up.text()

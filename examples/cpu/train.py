@@ -45,6 +45,17 @@ def evaluate(w, b, data):
     return loss / len(data), correct / len(data)
 
 
+def sdk_line(s):
+    """One sentence of what the SDK sent (run.summary() has the whole dict)."""
+    where = {"attached": f"run {s['run_id']} of this job", "registered": f"run {s['run_id']}",
+             "local": "this host's spool only (no server)"}.get(s["mode"], s["mode"])
+    text = f"sdk: {s['sent']} records sent to {where}"
+    trouble = [f"{s[k]} {k}" for k in ("dropped", "errors", "refused") if s.get(k)]
+    if s.get("queued"):
+        trouble.append(f"{s['queued']} still queued")
+    return text + (f" ({', '.join(trouble)}: see run.summary())" if trouble else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=3)
@@ -114,7 +125,7 @@ def main():
         tb.close()
     if run:
         run.finish()
-        print("sdk summary:", json.dumps(run.summary(), default=str), flush=True)
+        print(sdk_line(run.summary()), flush=True)
     print("training finished", flush=True)
 
 

@@ -338,6 +338,18 @@ class WaitNarrator:
     def said_started(self):
         return bool(self.said) and " started on " in self.said
 
+    def started(self):
+        """The job's first log line is about to be shown: if a wait was explained, say
+        that it started first, so the lines never come before that sentence."""
+        self._stop.set()
+        self._thread.join(2)
+        if self.said and not self.said_started():
+            from gpuplane.client import ApiError, ServerUnreachable
+            try:
+                self._say(self.client.get_job(self.job_id))
+            except (ApiError, ServerUnreachable):
+                pass
+
     def finish(self, job):
         """The follow ended: if a wait was explained, close it with the start."""
         self._stop.set()
@@ -365,7 +377,7 @@ def follow_job(client, job_id, tail=None, out=None, colour=False):
     job starts, why it waits is said on stderr."""
     out = out or sys.stdout
     with WaitNarrator(client, job_id) as narrator:
-        final = _follow(client, job_id, tail, out, colour)
+        final = _follow(client, job_id, tail, out, colour, narrator.started)
         narrator.finish(final)
     return final
 
@@ -375,10 +387,14 @@ def _say_reconnecting(reason, seconds):
          "resuming where it stopped")
 
 
-def _follow(client, job_id, tail, out, colour):
+def _follow(client, job_id, tail, out, colour, before_first=None):
     attempt = None
     try:
         for line in client.stream_job_logs(job_id, tail=tail, on_reconnect=_say_reconnecting):
+            if before_first:
+                out.flush()
+                before_first()
+                before_first = None
             if attempt is not None and line.get("attempt") != attempt:
                 out.write(f"--- attempt {line.get('attempt')} ---\n")
             attempt = line.get("attempt")

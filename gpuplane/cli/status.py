@@ -8,6 +8,10 @@ def add_parser(subparsers):
     conn, js, _ = parents()
     p = command(subparsers, "status", "nodes, GPU slots and what runs on them, the queue",
                 parents=(conn, js))
+    p.add_argument("--url", action="store_true",
+                   help="print only the server address the CLI uses (--server, else "
+                        "$GPUCTL_SERVER, else the server running on the local home, else "
+                        "server.toml's) and exit, without asking it")
     p.set_defaults(func=cmd_status)
 
     p = command(subparsers, "whoami", "the token in use: name and scope", parents=(conn, js))
@@ -15,6 +19,11 @@ def add_parser(subparsers):
 
 
 def cmd_status(args):
+    if args.url:
+        from gpuplane.client import resolve
+        print(resolve(getattr(args, "server", None), getattr(args, "token", None),
+                      getattr(args, "home", None))[0])
+        return EXIT_OK
     status = make_client(args).get_status()
     if args.json:
         print_json(status)

@@ -326,25 +326,35 @@ def _run_example(client, example_dir, hints):
 
 def cmd_up(args):
     from gpuplane import config
+    from gpuplane import server as server_mod
     from gpuplane.client import ApiError, Client, ServerUnreachable, _connect_url, local_server
 
     example_dir = _check_args(args)
     home = config.home_dir(args.home)
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    (home / "logs").mkdir(mode=0o700, exist_ok=True)
-    os.chmod(home / "logs", 0o700)
     cfg = config.load_server_config(home)
     port = args.port or cfg.get("port") or config.DEFAULT_PORT
     url = _connect_url(args.host, port)
     name = args.name or socket.gethostname()
 
-    probe = Client(url, "-")
+    running = config.running_address(home)
+    if running:
+        raise CliError(f"a GPUPlane server already runs on the home {home}, at {running}; "
+                       "use it (`gpuplane status`), or stop it first")
     try:
-        probe.get_health()
-        raise CliError(f"a server already answers at {url}; use it, stop it, or pick "
-                       "another --port")
-    except (ServerUnreachable, ApiError):
-        pass
+        server_mod.check_port(args.host, port, "`gpuplane up --port {port}` (in the "
+                              "checkout: `make up PORT={port}`)")
+    except server_mod.PortInUse as e:
+        try:
+            Client(url, "-", timeout=1).get_health()
+        except (ServerUnreachable, ApiError):
+            raise CliError(str(e)) from None
+        raise CliError(f"a GPUPlane server already answers at {url}; use it, stop it, or "
+                       "pick another --port") from None
+    # Only now that it can start does it write anything to the home.
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (home / "logs").mkdir(mode=0o700, exist_ok=True)
+    os.chmod(home / "logs", 0o700)
+    probe = Client(url, "-")
     fake_gpus, fake_notice = _choose_fake_gpus(args, home)
     if fake_notice:
         print(fake_notice, flush=True)

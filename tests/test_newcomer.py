@@ -1,0 +1,196 @@
+"""What a newcomer meets in the first hour: another port, the lean `make up` install, the
+order of what `up --example` prints, the CLI's own words for what to do next."""
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from procs import free_port, sigint_as_at_a_terminal, wait_for
+
+from gpuplane import config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _gpuplane(*argv, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "gpuplane", *argv], env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def held_port():
+    """A port another program listens on (and never answers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+# -- a port held by another program --------------------------------------------------------
+
+
+def test_up_on_a_taken_port_says_so_at_once_and_writes_nothing(tmp_path, held_port):
+    home = tmp_path / "home"
+    proc = _gpuplane("--home", str(home), "up", "--port", str(held_port), "--example")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith(f"error: port {held_port} on 127.0.0.1 is in use by ")
+    assert re.search(r"`gpuplane up --port \d+` \(in the checkout: `make up PORT=\d+`\)$",
+                     err), err
+    suggested = int(re.search(r"--port (\d+)", err)[1])
+    assert suggested != held_port
+    assert "Connection in use" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not home.exists(), list(home.rglob("*"))
+
+
+def test_server_on_a_taken_port_writes_no_server_toml(tmp_path, held_port):
+    home = tmp_path / "home"
+    proc = _gpuplane("--home", str(home), "server", "--port", str(held_port))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"port {held_port} on 127.0.0.1 is in use by " in proc.stderr
+    assert "`gpuplane server --port " in proc.stderr
+    assert "Connection in use" not in proc.stderr
+    assert not (home / "server.toml").exists()
+
+
+# -- the CLI follows the server `up` started -----------------------------------------------
+
+
+def test_the_cli_finds_the_port_up_really_started_on(tmp_path, held_port):
+    """server.toml names a taken port; `up --port Q` starts on Q; plain `gpuplane status`
+    (no --server, no $GPUCTL_SERVER) reaches it, and after `up` stops, server.toml's
+    address is the CLI's again."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "server.toml").write_text(f"port = {held_port}\n")
+    port = free_port()
+    env = _env(GPUCTL_HOME=str(home))
+    out_path = tmp_path / "up.out"
+    with open(out_path, "wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "gpuplane", "up", "--port", str(port),
+                               "--fake-gpus", "1", "--name", "newcomer"], env=env,
+                              stdout=out, stderr=subprocess.STDOUT,
+                              preexec_fn=sigint_as_at_a_terminal)
+    try:
+        wait_for(lambda: up.poll() is not None or "Press Ctrl-C" in out_path.read_text(),
+                 60, interval=0.1, what="`up` to be ready")
+        text = out_path.read_text()
+        assert up.poll() is None, text
+        url = f"http://127.0.0.1:{port}"
+        assert "try: gpuplane status\n" in text      # no --server to add
+        assert config.running_address(home) == url
+        assert _gpuplane("status", "--url", env=env).stdout.strip() == url
+        status = _gpuplane("status", env=env)
+        assert status.returncode == 0, status.stderr
+        assert re.match(r"newcomer .*connected", status.stdout), status.stdout
+        # An explicit address still wins.
+        other = f"http://127.0.0.1:{held_port}"
+        assert _gpuplane("status", "--url", env=dict(env, GPUCTL_SERVER=other)
+                         ).stdout.strip() == other
+        # A second `up` on the same home says where the first one is.
+        again = _gpuplane("up", env=env)
+        assert again.returncode == 1 and f"already runs on the home {home}, at {url}" \
+            in again.stderr, again.stderr
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 130
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert not (home / config.ADDRESS_FILE).exists()
+    assert _gpuplane("status", "--url", env=env).stdout.strip() == \
+        f"http://127.0.0.1:{held_port}"
+
+
+def test_a_running_address_whose_process_is_gone_is_ignored(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / config.ADDRESS_FILE).write_text(f"{dead.pid} http://127.0.0.1:1\n")
+    assert config.running_address(tmp_path) is None
+    (tmp_path / config.ADDRESS_FILE).write_text(f"{os.getpid()} http://127.0.0.1:2\n")
+    assert config.running_address(tmp_path) == "http://127.0.0.1:2"
+    (tmp_path / config.ADDRESS_FILE).write_text("garbage")
+    assert config.running_address(tmp_path) is None
+
+
+# -- make up: a port, and only what running needs ------------------------------------------
+
+
+def _make_n(*argv, venv):
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    return subprocess.run(["make", "-n", "-C", str(REPO), *argv, f"VENV={venv}"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def test_make_up_installs_no_test_tools_and_takes_a_port(tmp_path):
+    venv = tmp_path / "venv"              # none there: make shows every step it would run
+    up = _make_n("up", "PORT=8611", venv=venv)
+    installs = [ln for ln in up.splitlines() if "pip install" in ln and "-e" in ln]
+    assert installs and all("[test]" not in ln for ln in installs), up
+    assert re.search(r"gpuplane up --example --port 8611$", up, re.M), up
+    assert re.search(r"gpuplane up --example$", _make_n("up", venv=venv), re.M)
+    for target in ("test", "lint", "install"):
+        assert "-e '.[test]'" in _make_n(target, venv=venv), target
+
+
+# -- up --example: what it prints, in order ------------------------------------------------
+
+
+def test_up_example_says_the_job_started_before_its_lines(tmp_path):
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuplane", "--home", str(home), "up", "--port",
+         str(free_port()), "--fake-gpus", "1", "--example", "--exit-when-done"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    first_log = next(i for i, ln in enumerate(lines) if ln.startswith("epoch "))
+    started = [i for i, ln in enumerate(lines) if re.match(r"job 1 started on ", ln)]
+    assert len(started) <= 1 and all(i < first_log for i in started), out
+    # the example's own last words are a sentence, not the SDK's dict
+    assert "sdk summary" not in out and "{" not in out.split("training finished")[0][-300:]
+    assert re.search(r"^sdk: \d+ records sent to run \d+ of this job$", out, re.M), out
+
+
+def test_a_follower_says_started_before_the_first_line(tmp_path, live_server, agent):
+    """A job that waits first: `job submit -f`'s "job N started on NODE" (stderr) comes
+    before the job's first line (stdout), both written to one terminal."""
+    from gpuplane import client
+    c = client.Client(live_server.url, live_server.token)
+    hog = c.submit_job([sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path),
+                       gpus=2)
+    wait_for(lambda: c.get_job(hog["id"])["state"] == "RUNNING", 30, what="the hog running")
+    path = tmp_path / "terminal"
+    with open(path, "wb") as term:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuplane", "--server", live_server.url, "job", "submit",
+             "-g", "1", "-f", "-d", str(tmp_path), "--", sys.executable, "-c",
+             "print('first line', flush=True)"],
+            env=_env(GPUCTL_TOKEN=live_server.token), stdout=term, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "is queued" in path.read_text(), 30, what="the follower's wait")
+        c.cancel_job(hog["id"])
+        assert proc.wait(60) == 0, path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = path.read_text()
+    assert re.search(r"job \d+ started on ", text), text
+    assert text.index(" started on ") < text.index("first line"), text
