@@ -1,11 +1,16 @@
-"""next_actions: the MCP tool calls an answer suggests, with their arguments filled in.
+"""next_actions: the MCP tool calls an answer suggests, with their arguments filled in,
+and the same next steps as `gpuplane` commands.
 
 Every suggestion, whether the server's semantic layer (gpuplane/semantic.py) makes it or
 gpuplane-mcp does (after a wait, a submit, an evaluation), is built by `action` here, and the
 ones about jobs are built by the functions below. tests/test_mcp.py checks each tool named
 against the MCP tool table (mcp_server.TOOLS) and that every argument it needs is filled.
+An answer carries tool calls (MCP shows them as they are); the CLI prints each as the
+command that does the same (`cli_command`, from the table CLI), and
+tests/test_newcomer.py parses every form with the CLI's own parser.
 Pure functions of plain data: no I/O, nothing of the server or of mcp.
 """
+import shlex
 
 FINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
@@ -163,3 +168,86 @@ def after_sweep(sweep, timeout_s=600):
         acts.append(action("diagnose_run", "judge the best trial's curves",
                            run_id=scored[0]["run_id"]))
     return acts
+
+
+# -- the same next steps as CLI commands -----------------------------------------------------
+
+# tool: (the gpuplane command's words, the arguments given as its positionals, in order,
+# {argument: its flag}, the arguments a terminal leaves out). A flag is "--name" (followed
+# by the value; a list repeats it), "--name" for a bool (given when true), {value: flag} for
+# a choice, ("--name", "line") for a command given as one word (a list is joined as a
+# shell line), or "--" for a command after `--`. Left out: the timeouts of a tool call (a
+# person presses Ctrl-C) and what the command already does by default.
+CLI = {
+    "cancel_job": ("job cancel", ["job_id"], {}, ()),
+    "compare_checkpoints": ("ckpt compare", ["run_ids"], {"key": "--key"}, ()),
+    "compare_runs": ("run compare", ["run_ids"], {"key": "--key", "keys": "--metric"}, ()),
+    "diagnose_run": ("diagnose", ["run_id"], {"key": "--key"}, ()),
+    "evaluate_checkpoint": ("ckpt evaluate", ["checkpoint_id"], {"command": "--"}, ()),
+    "explain_failure": ("explain", ["job_id"], {}, ()),
+    "get_best_checkpoint": ("ckpt recommend", [], {
+        "run_id": "--run", "sweep_id": "--sweep", "project": "--project",
+        "experiment": "--experiment", "key": "--key"}, ()),
+    "get_job_logs": ("logs", ["job_id"], {"tail": "--tail"}, ()),
+    "get_metric_summary": ("run show", ["run_id"], {}, ("include_system",)),
+    "list_checkpoints": ("ckpt list", [], {"run_id": "--run"}, ()),
+    "prune_checkpoints": ("ckpt prune", [], {
+        "job_id": "--job", "keep_best": "--keep-best", "keep_last": "--keep-last",
+        "dry_run": "--dry-run"}, ()),
+    "retry_failed_sweep": ("sweep retry-failed", ["sweep_id"], {}, ()),
+    "retry_job": ("job retry", ["job_id"], {}, ()),
+    "set_primary_metric": ("metric set --primary", ["key"], {
+        "direction": "--direction", "project": "--project", "experiment": "--experiment"}, ()),
+    "submit_job": ("job submit", [], {
+        "name": "-n", "gpus": "-g", "working_dir": "-d", "cpu_only": "--cpu-only",
+        "priority": "--priority", "max_attempts": "--max-attempts", "env": "--env",
+        "project": "--project", "experiment": "--experiment", "tb_dir": "--tb-dir",
+        "watch_dir": "--watch", "eval_command": ("--eval-command", "line"), "command": "--"},
+        ()),
+    # `job wait` waits for the end, which is also past the start or any change
+    "wait_for_job": ("job wait", ["job_id"], {}, ("timeout_s", "until")),
+    "wait_for_jobs": ("job wait", ["job_ids"], {"mode": {"any": "--any", "all": None}},
+                      ("timeout_s",)),
+    "wait_for_sweep": ("sweep show", ["sweep_id"], {}, ("timeout_s",)),
+}
+
+
+def _words(value):
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    if isinstance(value, dict):
+        return [f"{k}={v}" for k, v in value.items()]
+    return [str(value)]
+
+
+def cli_command(act):
+    """The `gpuplane ...` command line that does what the tool call `act` does, or None
+    for a tool the CLI has no command for."""
+    form = CLI.get(act["tool"])
+    if form is None:
+        return None
+    words, positional, flags, _ = form
+    args = act["arguments"]
+    out = ["gpuplane", *words.split()]
+    for name in positional:
+        if args.get(name) is not None:
+            out += _words(args[name])
+    after = []
+    for name, flag in flags.items():
+        value = args.get(name)
+        if value is None or value is False:
+            continue
+        if isinstance(flag, dict):
+            flag = flag.get(value)
+            if flag:
+                out.append(flag)
+        elif isinstance(flag, tuple):
+            out += [flag[0], shlex.join(value) if isinstance(value, list) else str(value)]
+        elif flag == "--":
+            after = ["--", *(_words(value) if isinstance(value, list) else [value])]
+        elif value is True:
+            out.append(flag)
+        else:
+            for word in _words(value):
+                out += [flag, word]
+    return shlex.join(out + after)

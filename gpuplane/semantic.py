@@ -21,7 +21,7 @@ import math
 import re
 import statistics
 
-from . import curves, params, rules, vocab
+from . import curves, params, rules, states, vocab
 from .next_actions import action, resubmit
 
 # What a key means (its role, loss-like, its direction) is gpuplane/vocab.py's; these
@@ -896,6 +896,18 @@ FAILURE_PATTERNS = [
      ["fix the exception shown; rerun with retry_job once fixed"]),
 ]
 
+# What to try for the agent's sentences on a job it could not start (agent.py's
+# resolve_command), by how the sentence begins.
+DISPATCH_TIPS = [
+    ("working dir does not exist", "create the directory on the agent's host, or submit "
+     "again with a working dir (-d) that exists there"),
+    ("working dir must be an absolute path", "submit again with an absolute working dir"),
+    ("command not found", "check the program's spelling and that it is installed on the "
+     "agent's host, or give its absolute path (e.g. the virtual environment's python)"),
+    ("command not executable", "make the file executable (chmod +x) or run it through its "
+     "interpreter (python script.py)"),
+]
+
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Z]\w+Error)\b"
                        r"(: .*)?$")
 _SIGNALS = {9: "SIGKILL", 15: "SIGTERM", 11: "SIGSEGV", 6: "SIGABRT", 2: "SIGINT",
@@ -920,6 +932,7 @@ def explain_failure(job, lines, runs=()):
                 "kind": "NOT_FAILED", "summary": f"job {job_id} is {state}, not failed",
                 "exception": None, "lines": [], "suggestions": [], "next_actions": acts}
 
+    reason = states.why_not_succeeded(job)     # what `job show` and `logs` say too
     kind, suggestions, hits = None, [], []
     for name, pat, tips in FAILURE_PATTERNS:
         found = [(no, t) for no, t in texts if pat.search(t)]
@@ -945,8 +958,10 @@ def explain_failure(job, lines, runs=()):
             kind, suggestions = "CANCELLED", ["retry_job if it was cancelled by mistake"]
         elif kind_platform == "DISPATCH_FAILED":
             kind = "DISPATCH_FAILED"
-            suggestions = ["the agent could not start the command: check working_dir "
-                           "and that the program exists on the agent's host"]
+            suggestions = [next((tip for start, tip in DISPATCH_TIPS
+                                 if (reason or "").startswith(start)),
+                                "the agent could not start the command: check working_dir "
+                                "and that the program exists on the agent's host")]
         elif kind_platform == "NODE_LOST":
             kind = "NODE_LOST"
             suggestions = ["the agent disconnected; check get_status and retry_job"]
@@ -965,7 +980,7 @@ def explain_failure(job, lines, runs=()):
         if h not in relevant:
             relevant.append(h)
     relevant = relevant[:60]
-    summary = _failure_summary(job_id, kind, exc, exit_code, kind_platform)
+    summary = _failure_summary(job_id, kind, exc or reason, exit_code, kind_platform)
     acts = [action("get_job_logs", "read more of the log around the error",
                    job_id=job_id, tail=200)]
     if kind in ("NCCL", "NODE_LOST", "KILLED", "CANCELLED"):
@@ -977,7 +992,8 @@ def explain_failure(job, lines, runs=()):
     return {"job_id": job_id, "state": state, "failure_kind": kind_platform, "kind": kind,
             "exit_code": exit_code, "summary": summary, "exception": exc,
             "lines": [{"line_no": no, "text": t} for no, t in relevant],
-            "suggestions": suggestions, "attempts": len(runs) or job.get("attempt"),
+            "suggestions": suggestions, "reason": reason,
+            "attempts": len(runs) or job.get("attempt"),
             "next_actions": acts}
 
 

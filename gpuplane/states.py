@@ -39,4 +39,15 @@ SWEEP_STATES = (RUNNING, STOPPED, DONE, CANCELLED)
 SWEEP_ACTIVE = (RUNNING,)
 SWEEP_FINAL = (STOPPED, DONE, CANCELLED)
 
+
+
+def why_not_succeeded(job):
+    """The platform's own sentence on why a job did not succeed ("working dir does not
+    exist on this host: /x", "command not found: pythn", "node gpu1 lost"), or None.
+    `job show`, `logs`, `explain` (explain_failure) and the dashboard say this one."""
+    if job.get("state") == SUCCEEDED:
+        return None
+    return job.get("message") or None
+
+
 ALL = tuple(dict.fromkeys(JOB_STATES + ATTEMPT_STATES + RUN_STATES + SWEEP_STATES))

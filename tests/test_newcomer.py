@@ -3,6 +3,7 @@ order of what `up --example` prints, the CLI's own words for what to do next."""
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -194,3 +195,193 @@ def test_a_follower_says_started_before_the_first_line(tmp_path, live_server, ag
     text = path.read_text()
     assert re.search(r"job \d+ started on ", text), text
     assert text.index(" started on ") < text.index("first line"), text
+
+
+# -- next steps: tool calls for MCP, commands for the CLI, one table ----------------------
+
+
+def _sample(name, field, n):
+    """A value for a tool argument, distinct per argument, of the argument's type."""
+    import typing
+    ann = field.annotation
+    kind = ann
+    if typing.get_origin(ann) in (typing.Union, getattr(__import__("types"), "UnionType")):
+        kind = [a for a in typing.get_args(ann) if a is not type(None)][0]
+    origin = typing.get_origin(kind)
+    if origin is typing.Literal:
+        return [v for v in typing.get_args(kind) if v != field.default][0]
+    if kind is bool:
+        return True
+    if kind is int:
+        return 100 + n
+    if kind is float:
+        return 100.0 + n
+    if origin in (list, tuple):
+        inner = typing.get_args(kind)[0] if typing.get_args(kind) else str
+        return [200 + n, 300 + n] if inner is int else [f"w{n}a", f"w{n}b"]
+    if origin is dict:
+        return {f"K{n}": f"v{n}"}
+    if name in ("command", "eval_command"):
+        return f"python s{n}.py --x {n}"
+    if name.endswith("_dir"):
+        return f"/abs/s{n}"
+    return f"s{n}"
+
+
+def _flat(values):
+    out = []
+    for v in values:
+        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str):   # --env K=V
+            out.append(f"{v[0]}={v[1]}")
+        elif isinstance(v, (list, tuple)):
+            out += _flat(v)
+        elif isinstance(v, dict):
+            out += [f"{k}={x}" for k, x in v.items()]
+        else:
+            out.append(v)
+    return out
+
+
+def test_every_suggested_tool_has_a_cli_command_that_parses_to_the_same_arguments():
+    import mcp_server
+    from gpuplane import cli, next_actions
+    named = set()
+    for path in (REPO / "gpuplane").rglob("*.py"):
+        named |= set(re.findall(r"\baction\(\s*\"(\w+)\"", path.read_text()))
+    named |= set(re.findall(r"\baction\(\s*\"(\w+)\"", (REPO / "mcp_server.py").read_text()))
+    assert named <= set(next_actions.CLI), named - set(next_actions.CLI)
+    for tool, (words, positional, flags, left_out) in next_actions.CLI.items():
+        fields = mcp_server.TOOL_BY_NAME[tool].input.model_fields
+        covered = set(positional) | set(flags) | set(left_out)
+        assert covered == set(fields), (tool, set(fields) ^ covered)
+        arguments = {name: _sample(name, f, i) for i, (name, f) in enumerate(fields.items())
+                     if name not in left_out}
+        line = next_actions.cli_command(next_actions.action(tool, "why", **arguments))
+        assert line.startswith(f"gpuplane {words} "), line
+        parsed = cli.get_parser().parse_args(shlex.split(line)[1:])
+        assert callable(parsed.func), line
+        seen = _flat([[v] if isinstance(v, tuple) else v for v in vars(parsed).values()
+                      if v is not None])
+        seen = {str(v) for v in seen} | {" ".join(map(str, v)) for v in vars(parsed).values()
+                                         if isinstance(v, list)}
+        for name, value in arguments.items():
+            flag = flags.get(name)
+            if isinstance(flag, dict):
+                dest = flag[value].lstrip("-").replace("-", "_") if flag.get(value) else None
+                assert dest is None or getattr(parsed, dest) is True, (line, name)
+            elif isinstance(flag, tuple):
+                assert (shlex.join(value) if isinstance(value, list) else value) in seen, \
+                    (tool, name, line)
+            elif value is True:
+                dest = flag.lstrip("-").replace("-", "_")
+                assert getattr(parsed, dest) is True, (line, name, dest)
+            else:
+                for v in _flat([value]):
+                    assert str(v) in seen, (tool, name, v, line, vars(parsed))
+
+
+def test_the_cli_prints_commands_where_mcp_prints_tool_calls(capsys):
+    from gpuplane.cli.common import print_next_actions
+    from gpuplane.next_actions import action
+    print_next_actions([
+        action("evaluate_checkpoint", "evaluate it", checkpoint_id=18),
+        action("get_job_logs", "read more", job_id=18, tail=200),
+        action("diagnose_run", "judge it", run_id=3),
+        action("get_best_checkpoint", "keep it", sweep_id=1),
+        action("wait_for_jobs", "wait", job_ids=[4, 5], mode="any", timeout_s=600),
+        action("submit_job", "again", command="python train.py --lr 0.1",
+               working_dir="/w d", cpu_only=True, project="p"),
+    ])
+    assert capsys.readouterr().out.splitlines() == [
+        "next:",
+        "  gpuplane ckpt evaluate 18  # evaluate it",
+        "  gpuplane logs 18 --tail 200  # read more",
+        "  gpuplane diagnose 3  # judge it",
+        "  gpuplane ckpt recommend --sweep 1  # keep it",
+        "  gpuplane job wait 4 5 --any  # wait",
+        "  gpuplane job submit -d '/w d' --cpu-only --project p -- "
+        "'python train.py --lr 0.1'  # again",
+    ]
+
+
+# -- explain knows what job show knows; -d on this host ------------------------------------
+
+
+def _cli(live_server, monkeypatch, capsys, *argv):
+    from gpuplane import cli
+    monkeypatch.setenv("GPUCTL_TOKEN", live_server.token)
+    code = cli.main(["--server", live_server.url, *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_explain_says_what_job_show_says(live_server, agent, monkeypatch, capsys, tmp_path):
+    missing = tmp_path / "does-not-exist"
+    cases = [(["-d", str(missing), "--", "python", "train.py"],
+              f"working dir does not exist on this host: {missing}", "create the directory"),
+             (["-d", str(tmp_path), "--", "pythn", "train.py"],
+              "command not found: pythn", "check the program's spelling")]
+    for argv, sentence, tip in cases:
+        code, out, err = _cli(live_server, monkeypatch, capsys, "job", "submit", "--cpu-only",
+                              "-f", *argv)
+        assert code == 5, err
+        job_id = int(out.splitlines()[0])
+        assert " started on " not in err, err            # it never started
+        _, shown, _ = _cli(live_server, monkeypatch, capsys, "job", "show", str(job_id))
+        assert re.search(r"why\s+" + re.escape(sentence), shown), shown
+        _, explained, _ = _cli(live_server, monkeypatch, capsys, "explain", str(job_id))
+        first = explained.splitlines()[0]
+        assert first == f"DISPATCH_FAILED: job {job_id} could not be started by the agent: " \
+            f"{sentence}", explained
+        assert f"  try: {tip}" in explained
+        assert f"  gpuplane logs {job_id} --tail 200  #" in explained
+        _, js, _ = _cli(live_server, monkeypatch, capsys, "explain", str(job_id), "--json")
+        assert __import__("json").loads(js)["reason"] == sentence
+
+
+def test_a_relative_dir_is_resolved_when_the_agent_is_on_this_host(
+        live_server, agent, monkeypatch, capsys, tmp_path):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli(live_server, monkeypatch, capsys, "job", "submit", "--cpu-only",
+                          "-d", "work", "-f", "--", "pwd")
+    assert code == 0, err
+    assert f"-d work: {tmp_path / 'work'} (the agent runs on this host)" in err
+    assert out.splitlines()[-1] == str(tmp_path / "work")
+    code, out, err = _cli(live_server, monkeypatch, capsys, "job", "submit", "--cpu-only",
+                          "-d", "nowhere", "--", "true")
+    assert code == 0
+    assert f"warning: working dir {tmp_path / 'nowhere'} does not exist on this host" in err
+
+
+def test_run_compare_and_ckpt_compare_print_commands_next(live_server, monkeypatch, capsys):
+    from gpuplane import client
+    c = client.Client(live_server.url, live_server.token)
+    runs = []
+    for scale in (1.0, 2.0):
+        run = c.create_run(project="cmp", experiment="e")["id"]
+        c.log_run_metrics(run, ["val/loss"], [[0, s, scale / (s + 1), 0] for s in range(20)])
+        c.create_checkpoint(run, f"/ck/{run}/10.pt", step=10)
+        runs.append(run)
+    code, out, err = _cli(live_server, monkeypatch, capsys, "run", "compare",
+                          *map(str, runs))
+    assert code == 0, err
+    assert out.startswith(f"run {runs[0]} wins on val/loss"), out
+    assert f"  gpuplane ckpt recommend --run {runs[0]}  #" in out
+    assert f"  gpuplane diagnose {runs[0]}  #" in out
+    code, out, err = _cli(live_server, monkeypatch, capsys, "ckpt", "compare",
+                          *map(str, runs))
+    assert code == 0, err
+    assert out.startswith("ranked by val/loss (lower is better)"), out
+    assert re.search(r"gpuplane ckpt evaluate \d+  #", out), out
+    code, _, err = _cli(live_server, monkeypatch, capsys, "run", "compare", str(runs[0]))
+    assert code == 2 and "at least two runs" in err
+
+
+def test_a_relative_dir_is_refused_in_one_line_without_a_node_on_this_host(
+        live_server, monkeypatch, capsys):
+    code, out, err = _cli(live_server, monkeypatch, capsys, "job", "submit", "--cpu-only",
+                          "-d", "relative/dir", "--", "true")
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and "relative/dir" in err
+    assert len(err.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ def add_parser(subparsers):
     conn, js, _ = parents()
 
     # -- ckpt ---------------------------------------------------------------------------
-    ck = command(subparsers, "ckpt", "checkpoints: list, show, evaluate, recommend",
+    ck = command(subparsers, "ckpt", "checkpoints: list, show, evaluate, recommend, compare",
                  parents=(conn,))
     cs = ck.add_subparsers(dest="ckpt_command", metavar="CKPT_COMMAND", required=True)
     p = command(cs, "list", "list checkpoints (of a run, an experiment or a project)",
@@ -47,6 +47,12 @@ def add_parser(subparsers):
                    help="choose across all trials of this sweep")
     p.add_argument("--key", metavar="KEY", help="decide by this metric instead")
     p.set_defaults(func=cmd_ckpt_recommend)
+
+    p = command(cs, "compare", "the checkpoints of runs ranked by the metric that decides: "
+                "evaluated ones first, then by their training value", parents=(conn, js))
+    p.add_argument("run_ids", type=run_id_type, nargs="+", metavar="RUN")
+    p.add_argument("--key", metavar="KEY", help="rank by this metric instead")
+    p.set_defaults(func=cmd_ckpt_compare)
 
     p = command(cs, "pin", "pin a checkpoint: retention always keeps it", parents=(conn, js))
     p.add_argument("checkpoint_id", type=ckpt_id_type, metavar="ID")
@@ -218,6 +224,23 @@ def cmd_ckpt_recommend(args):
     print(f"checkpoint {c['checkpoint_id']}  run {c['run_id']}  step {c['step']}  "
           f"{r['key']} = {_value(c['value'])} ({c['source']})  {c['path']}")
     print(r["reason"])
+    print_next_actions(r.get("next_actions") or [])
+    return EXIT_OK
+
+
+def cmd_ckpt_compare(args):
+    r = make_client(args).compare_checkpoints(args.run_ids, key=args.key)
+    if args.json:
+        print_json(r)
+        return EXIT_OK
+    print(f"ranked by {r['key']}" + (f" ({'lower' if r['direction'] == 'min' else 'higher'} "
+                                     "is better)" if r.get("direction") else ""))
+    print_table([[c["rank"], c["checkpoint_id"], c["run_id"], c["step"], _value(c["value"]),
+                  c["source"], c["path"]] for c in r["ranked"]],
+                ["RANK", "CKPT", "RUN", "STEP", r["key"], "FROM", "PATH"])
+    if r["unranked"]:
+        print(f"not ranked (no {r['key']} near their step): "
+              + ", ".join(str(c["checkpoint_id"]) for c in r["unranked"]))
     print_next_actions(r.get("next_actions") or [])
     return EXIT_OK
 

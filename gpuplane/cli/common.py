@@ -136,13 +136,17 @@ def print_json(data):
 
 
 def print_next_actions(actions):
-    """The answer's next actions, one tool call a line with its arguments (the MCP call an
-    agent would make; a person reads it as what to do next)."""
+    """The answer's next actions as `gpuplane` commands, one a line with why (the MCP
+    tool calls of the answer, in the CLI's words: gpuplane/next_actions.py maps them)."""
+    from gpuplane.next_actions import cli_command
     if actions:
         print("next:")
     for a in actions:
-        args = ", ".join(f"{k}={v!r}" for k, v in a["arguments"].items())
-        print(f"  {a['tool']}({args})  # {a['why']}")
+        line = cli_command(a)
+        if line is None:     # no command does it: the tool call itself
+            line = f"{a['tool']}(" + ", ".join(f"{k}={v!r}" for k, v in
+                                              a["arguments"].items()) + ")"
+        print(f"  {line}  # {a['why']}")
 
 
 def print_table(rows, headers):
@@ -264,11 +268,7 @@ def outcome_code(state):
             "CANCELLED": EXIT_CANCELLED}.get(state, EXIT_ERROR)
 
 
-def failure_reason(job):
-    """The sentence that says why the job failed, if the server has one."""
-    if job.get("state") == "SUCCEEDED":
-        return None
-    return job.get("message") or None
+failure_reason = states.why_not_succeeded
 
 
 def describe_end(job):
@@ -365,9 +365,10 @@ class WaitNarrator:
             return f"job {jid} dispatched to {job.get('node')}; waiting for it to start"
         if said is None:
             return None     # it was never waiting: nothing to explain
-        # RUNNING, or already ended between two looks: either way it started.
+        # RUNNING, or already ended between two looks: it started, unless it ended
+        # without (its command could not be started: the end says why).
         gpus = gpu_list(job.get("gpu_indices"))
-        if not job.get("node"):
+        if not job.get("node") or (job["state"] != "RUNNING" and not job.get("started_at")):
             return None
         return f"job {jid} started on {job.get('node')}" + (f" (GPUs {gpus})" if gpus else "")
 

@@ -8,7 +8,7 @@ import shlex
 
 from .common import (EXIT_OK, EXIT_TIMEOUT, CliError, FINAL_STATES, JOB_STATES, ago,
                      clean_line, clock, command, command_text, describe_end, duration,
-                     env_pair, follow_job, gpu_list, job_id_type, make_client, note,
+                     env_pair, failure_reason, follow_job, gpu_list, job_id_type, make_client, note,
                      outcome_code, parents, positive_int, print_json, print_table, wants)
 
 SUBMIT_EPILOG = """\
@@ -44,8 +44,9 @@ def add_parser(subparsers):
     p.add_argument("-g", "--gpus", type=positive_int, metavar="N",
                    help="GPUs wanted, all on one node (default 1; 0 means --cpu-only)")
     p.add_argument("-d", "--dir", dest="working_dir", metavar="DIR",
-                   help="working directory on the agent's host, sent as given "
-                        "(default: the current directory)")
+                   help="working directory on the agent's host (default: the current "
+                        "directory); a relative one is resolved here when every node is "
+                        "this host, else it must be absolute")
     p.add_argument("--cpu-only", action="store_true", help="run without a GPU")
     p.add_argument("--priority", type=int, metavar="P", help="higher runs first (default 0)")
     p.add_argument("--max-attempts", type=positive_int, metavar="K",
@@ -217,9 +218,32 @@ def _default_name(cmd):
     return pathlib.Path(words[0]).name if words else None
 
 
+def local_working_dir(client, working_dir):
+    """-d as the job will see it. When every node is this host (`gpuplane up`), a relative
+    -d is resolved here and one that does not exist is warned about; else it goes as given
+    (a relative one is refused by the server: it names a path on the agent's host)."""
+    import socket
+    from gpuplane.client import ApiError
+    try:
+        nodes = client.list_nodes()
+    except ApiError:
+        return working_dir
+    here = socket.gethostname()
+    if not nodes or any((n.get("hostname") or n.get("name")) != here for n in nodes):
+        return working_dir
+    path = os.path.abspath(os.path.expanduser(working_dir))
+    if path != working_dir and not os.path.isabs(working_dir):
+        note(f"-d {working_dir}: {path} (the agent runs on this host)")
+    if not os.path.isdir(path):
+        note(f"warning: working dir {path} does not exist on this host, where the job runs: "
+             "it will fail to start; create it, or give -d a directory that exists")
+    return path
+
+
 def cmd_job_submit(args):
     client = make_client(args)
     command_, working_dir, fields = job_body(args)
+    working_dir = local_working_dir(client, working_dir)
     job = client.submit_job(command_, working_dir, **fields)
     if args.json and not args.follow:
         print_json(job)
@@ -306,7 +330,7 @@ def cmd_job_show(args):
         ("ran", duration(job.get("started_at"), job.get("ended_at"))),
         ("exit code", job.get("exit_code")),
         ("failure", job.get("failure_kind")),
-        ("why", job.get("message") if job.get("state") != "SUCCEEDED" else None),
+        ("why", failure_reason(job)),
         ("after", (("any end of " if job.get("depends_any") else "")
                    + ", ".join(f"job {d}" for d in job["depends_on"]))
          if job.get("depends_on") else None),

@@ -66,6 +66,48 @@ def add_parser(subparsers):
                    help="also the TensorBoard copies (tb/KEY) of curves the SDK logs as KEY")
     p.set_defaults(func=cmd_run_show)
 
+    p = sub.add_parser("compare", help="runs side by side: per metric best and final, the "
+                       "winner, whether it wins by more than the noise, the settings that "
+                       "differ", description="runs side by side (compare_runs over MCP)",
+                       parents=[conn, js])
+    p.add_argument("run_ids", type=run_id_type, nargs="+", metavar="RUN")
+    p.add_argument("--key", metavar="KEY", help="the metric that decides (default: the "
+                   "primary)")
+    p.add_argument("--metric", action="append", dest="keys", metavar="KEY",
+                   help="show only this metric (repeat for more)")
+    p.set_defaults(func=cmd_run_compare)
+
+
+def cmd_run_compare(args):
+    from .common import print_next_actions
+    if len(args.run_ids) < 2:
+        raise CliError("compare at least two runs: gpuplane run compare RUN RUN ...",
+                       EXIT_USAGE)
+    c = make_client(args).compare_runs(args.run_ids, keys=args.keys, key=args.key)
+    if args.json:
+        print_json(c)
+        return EXIT_OK
+    print(c["summary"])
+    for m in c["metrics"]:
+        if not m["runs"]:
+            continue
+        print(f"\n{m['key']}" + (f" ({'lower' if m['direction'] == 'min' else 'higher'} "
+                                  "is better)" if m["direction"] else " (goal unknown)"))
+        print_table([[r["run_id"], _value_at(r["best"], r["best_step"]),
+                      _value_at(r["final"], r["final_step"]), r["points"],
+                      "winner" if r["run_id"] == m["winner"] else None]
+                     for r in m["runs"]], ["  RUN", "BEST", "FINAL", "POINTS", ""])
+    for key, values in (c.get("config_diff") or {}).items():
+        print(f"\n{key}: " + ", ".join(f"run {r} {v}" for r, v in values.items()))
+    print_next_actions(c.get("next_actions") or [])
+    return EXIT_OK
+
+
+def _value_at(value, step):
+    if value is None:
+        return None
+    return f"{fmt(value)} @{step}" if step is not None else fmt(value)
+
 
 def cmd_run_list(args):
     runs = make_client(args).list_runs(project=args.project, experiment=args.experiment,

@@ -1,7 +1,7 @@
 """`gpuplane diagnose RUN` and `gpuplane explain JOB`: the semantic layer's verdicts.
 
-Both print the verdict, the evidence and the next actions (the MCP tool calls an agent
-would make; a person reads them as what to do next)."""
+Both print the verdict, the evidence and the next actions, as `gpuplane` commands (the
+answer's MCP tool calls, mapped by gpuplane/next_actions.py)."""
 
 from .common import (EXIT_OK, command, id_type, job_id_type, make_client, parents,
                      print_json, print_next_actions)
