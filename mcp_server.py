@@ -527,6 +527,21 @@ class Gpuplane:
                                               project=project, experiment=experiment)
         return dict(d, next_actions=na.after_primary_metric(key, project, experiment))
 
+    def set_project_defaults(self, a):
+        fields = {k: (None if v.strip().lower() == "none" else v)
+                  for k, v in (("time_limit", a.time_limit),
+                               ("max_time_limit", a.max_time_limit)) if v is not None}
+        if a.preemptible is not None:
+            fields["preemptible"] = a.preemptible
+        try:
+            p = self.client.update_project(a.project, fields)
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            self.client.create_project(a.project)
+            p = self.client.update_project(a.project, fields)
+        return dict(p, next_actions=[])
+
     # sweeps
 
     def sweep(self, data, timeout_s=600):
@@ -737,6 +752,14 @@ class SubmitIn(In):
     eval_command: Annotated[list[str] | str | None, Field(
         description="how to evaluate one of its checkpoints, e.g. ['python', 'eval.py']; "
                     "evaluate_checkpoint runs it with GPUCTL_CHECKPOINT_PATH set")] = None
+    time_limit: Annotated[str | None, Field(
+        description="time limit, e.g. '2h', '90m', '1:30:00': a warning signal (SIGUSR1) "
+                    "comes before it, then the job is stopped and ends FAILED with kind "
+                    "TIMEOUT; a limited job can start early by backfill (default: the "
+                    "project's)")] = None
+    preemptible: Annotated[bool | None, Field(
+        description="a job of higher priority may stop it and queue it again to resume "
+                    "from its last checkpoint (default: the project's, else false)")] = None
 
 
 class EvaluateIn(In):
@@ -781,6 +804,18 @@ class PrimaryMetricIn(In):
     project: Annotated[str | None, Field(description="scope: this project only")] = None
     experiment: Annotated[str | None, Field(description="scope: this experiment only "
                                                         "(with project)")] = None
+
+
+class ProjectDefaultsIn(In):
+    project: Annotated[str, Field(description="the project")]
+    time_limit: Annotated[str | None, Field(
+        description="its jobs' time limit when they give none, e.g. '4h'; 'none' clears "
+                    "it")] = None
+    max_time_limit: Annotated[str | None, Field(
+        description="the longest limit its jobs may ask for, e.g. '24h'; 'none' clears "
+                    "it")] = None
+    preemptible: Annotated[bool | None, Field(
+        description="its jobs are preemptible unless they say not")] = None
 
 
 class DiagnoseIn(In):
@@ -860,6 +895,11 @@ class CreateSweepIn(In):
     experiment: Annotated[str | None, Field(description="experiment of the trials")] = None
     watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
                                                        "(relative to working_dir)")] = None
+    time_limit: Annotated[str | None, Field(
+        description="each trial's time limit, e.g. '30m' (default: the project's)")] = None
+    preemptible: Annotated[bool | None, Field(
+        description="trials may be stopped for jobs of higher priority and resume from "
+                    "their last checkpoint (default true)")] = None
 
 
 class BestCheckpointIn(In):
@@ -997,6 +1037,11 @@ TOOLS = [
          "recommendations and comparisons rank by it (needs a write token).",
          PrimaryMetricIn, ControlOut,
          lambda gp, a: gp.set_primary_metric(a.key, a.direction, a.project, a.experiment)),
+    Tool("set_project_defaults", CONTROL,
+         "Set a project's scheduling defaults: the time limit of its jobs that give none, "
+         "the longest they may ask for, whether they are preemptible (needs a write "
+         "token).",
+         ProjectDefaultsIn, ControlOut, lambda gp, a: gp.set_project_defaults(a)),
     # semantic
     Tool("diagnose_run", SEMANTIC,
          "Judge a run: healthy, diverging, not learning, unstable, overfitting, plateaued, "

@@ -515,9 +515,14 @@ class Client:
     def create_project(self, name, description=None):
         return self._send("POST", "projects", {"name": name, "description": description or ""})
 
+    @route("GET", "projects/{name}")
+    def get_project(self, name):
+        return self._get(f"projects/{quote(name)}")
+
     @route("PATCH", "projects/{name}")
     def update_project(self, project, fields):
-        """fields: name (a new name), description, archived, retention (false: none)."""
+        """fields: name (a new name), description, archived, time_limit, max_time_limit,
+        preemptible (scheduling defaults; None clears one)."""
         return self._send("PATCH", f"projects/{quote(project)}", fields)
 
     @route("DELETE", "projects/{name}")

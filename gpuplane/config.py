@@ -24,6 +24,8 @@ def _url(v):
     return isinstance(v, str) and v.startswith(("http://", "https://")) and len(v) > 8
 
 
+SCHEDULING = ("backfill", "strict", "first-fit")
+
 # Every server.toml setting: (default, check, what is expected). Settings may stand at the
 # top of the file or under [server]. Nothing here is read anywhere but through
 # ServerConfig, and every setting here is read somewhere (no dead keys).
@@ -75,7 +77,31 @@ SETTINGS = {
     # Raw metric points older than this are pruned (rollups stay); 0 keeps them forever.
     "raw_retention_days": (0, lambda v: _number(v) and v >= 0,
                            "a number of days, 0 or more (0 keeps raw points forever)"),
+    # How the queue is placed (docs/scheduling.md): "backfill" (later jobs run now when
+    # they end, by their time limits, before the reservations of those ahead), "strict"
+    # (no job passes a waiting one) or "first-fit" (any job that fits runs now).
+    "scheduling": ("backfill", lambda v: v in SCHEDULING,
+                   'one of "backfill", "strict", "first-fit"'),
+    # The warning before a job's time limit (and before a preemption's stop): a signal
+    # and the seconds before, as sbatch --signal=USR1@60. A job's --signal overrides it.
+    "time_signal": ("USR1@60", lambda v: _signal_ok(v),
+                    'a signal and its lead in seconds, e.g. "USR1@60"'),
+    # A preempted job gets the warning signal, then SIGTERM this long after it.
+    "preempt_grace_s": (30, lambda v: _number(v) and 0 <= v <= 3600,
+                        "a number of seconds from 0 to 3600"),
+    # A job that has run less than this is not preempted.
+    "preempt_min_run_s": (60, lambda v: _number(v) and 0 <= v <= 86400 * 7,
+                          "a number of seconds, 0 or more"),
 }
+def _signal_ok(v):
+    from . import timelimit
+    try:
+        timelimit.parse_signal(v, 60)
+    except timelimit.LimitError:
+        return False
+    return True
+
+
 # Tables that belong to other parts: [events] (the rule settings, gpuplane/rules.py) and
 # [[webhooks]]. They are checked for shape here and for content by their owner.
 TABLES = {
@@ -107,6 +133,10 @@ class ServerConfig:
     raw_retention_days: float = SERVER_DEFAULTS["raw_retention_days"]
     backup_interval_h: float = SERVER_DEFAULTS["backup_interval_h"]
     backup_keep: int = SERVER_DEFAULTS["backup_keep"]
+    scheduling: str = SERVER_DEFAULTS["scheduling"]
+    time_signal: str = SERVER_DEFAULTS["time_signal"]
+    preempt_grace_s: float = SERVER_DEFAULTS["preempt_grace_s"]
+    preempt_min_run_s: float = SERVER_DEFAULTS["preempt_min_run_s"]
     events: dict = dataclasses.field(default_factory=dict)
     webhooks: list = dataclasses.field(default_factory=list)
     unknown: tuple = ()          # keys in server.toml nobody reads (reported at start)

@@ -7,9 +7,11 @@ import posixpath
 
 from .db import checkpoints, jobs, runs
 from .errors import BadRequest
+from .lifecycle import LimitRefused
 
 
-def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_only=None, priority=None):
+def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_only=None,
+          priority=None, time_limit_s=None, preemptible=None):
     """Submit the EVALUATE job of checkpoint `ckpt` (a dict) and record the evaluation.
     Returns the evaluation. Raises BadRequest naming the missing piece."""
     run = runs.get(db, ckpt["run_id"])
@@ -53,9 +55,13 @@ def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_on
         # and what it asked of Slurm (docs/slurm.md), but its time: an evaluation is short
         "cpus": job.get("cpus") if job else None,
         "mem_mb": job.get("mem_mb") if job else None,
+        "time_limit_s": time_limit_s, "preemptible": preemptible,
     }
     with lifecycle.transaction() as t:
-        new = lifecycle.submit(spec, t)
+        try:
+            new = lifecycle.submit(spec, t)
+        except LimitRefused as e:
+            raise BadRequest(str(e)) from None
         evaluation_id = checkpoints.add_evaluation(t.conn, ckpt["id"], new["id"],
                                                    spec["command"])
     return checkpoints.get_evaluation(db, evaluation_id)

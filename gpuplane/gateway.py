@@ -20,7 +20,7 @@ from simple_websocket import ConnectionClosed
 from .auth import requires
 from .streams import clear_timeout
 from .errors import ApiError
-from . import metricwire, retention, states
+from . import metricwire, retention, states, timelimit
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,10 @@ class Gateway:
                 # on the cards in `gpus`
                 "gpu_count": 0 if job["cpu_only"] else job["gpus"],
                 "cpus": job.get("cpus"), "mem_mb": job.get("mem_mb"),
-                "time_limit_min": job.get("time_limit_min"),
+                "time_limit_min": timelimit.minutes(job.get("time_limit_s")),
+                # the limit, and the warning before it (docs/scheduling.md)
+                "time_limit_s": job.get("time_limit_s"),
+                "time_signal": self.time_signal(job),
                 "server_url": self.server_url(), "ingest_token": ingest_token,
                 # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
                 "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]
@@ -125,6 +128,12 @@ class Gateway:
                 else [],
                 # an attempt after a lost or failed one: the checkpoints it may resume from
                 "resume": self._resume(job) if job.get("resume") else []}
+
+    def time_signal(self, job):
+        """[name, lead seconds] of the warning before the job's limit: its own --signal,
+        else the server's time_signal (whose lead, for a limit shorter than twice it, is
+        half the limit)."""
+        return timelimit.warning_signal(job, self.cfg.get("time_signal"))
 
     def _resume(self, job):
         with self.db.read() as conn:

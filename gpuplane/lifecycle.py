@@ -20,8 +20,8 @@ batch and advances its cursor atomically): pass the `Tx` of `lifecycle.transacti
 import contextlib
 import logging
 
-from . import states
-from .db import checkpoints, events, jobs, nodes, now_ms, runs, savepoint, tokens
+from . import states, timelimit
+from .db import checkpoints, events, jobs, nodes, now_ms, projects, runs, savepoint, tokens
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,39 @@ TYPES = (QUEUED, DISPATCHED, STARTED, SUCCEEDED, FAILED, CANCELLED, RETRIED, NOD
 
 # What the agent reports as a lost attempt, and the kind the job records for it.
 TRANSIENT_ALIASES = {"LOST": "NODE_LOST"}
+
+
+class LimitRefused(ValueError):
+    """A job's time limit (or preemptible flag) its project does not allow; the message
+    names the fix."""
+
+
+def apply_project_defaults(conn, spec):
+    """The job as its project's scheduling defaults make it (docs/scheduling.md): no
+    limit of its own takes the project's default, else its maximum; a limit above the
+    maximum is refused (LimitRefused); not saying whether it is preemptible takes the
+    project's word. An evaluation is never preemptible: stopped, it would lose its
+    result."""
+    d = projects.scheduling_defaults(conn, spec["project"])
+    spec = dict(spec)
+    limit, most = spec.get("time_limit_s"), d["max_time_limit_s"]
+    if limit is None:
+        limit = d["time_limit_s"] or most
+    elif most is not None and limit > most:
+        raise LimitRefused(
+            f"time limit {timelimit.describe(limit)} is above the maximum of project "
+            f"{spec['project']!r} ({timelimit.describe(most)}); ask for at most "
+            f"{timelimit.describe(most)} (--time), or raise the maximum with `gpuplane "
+            f"project defaults {spec['project']} --max-time ...`")
+    spec["time_limit_s"] = limit
+    if spec.get("kind", "TRAIN") == "EVALUATE":
+        if spec.get("preemptible"):
+            raise LimitRefused("an evaluation job cannot be preemptible: stopped, it loses "
+                               "the result it was computing; leave 'preemptible' out")
+        spec["preemptible"] = False
+    elif spec.get("preemptible") is None:
+        spec["preemptible"] = bool(d["preemptible"])
+    return spec
 
 
 class Tx:
@@ -147,8 +180,10 @@ class Lifecycle:
     # -- jobs ---------------------------------------------------------------------------
 
     def submit(self, spec, t=None):
-        """A new job, QUEUED. Returns it."""
+        """A new job, QUEUED, with its project's defaults (apply_project_defaults, which
+        may raise LimitRefused). Returns it."""
         with self._tx(t) as t:
+            spec = apply_project_defaults(t.conn, spec)
             job_id = jobs.insert(t.conn, spec, now_ms())
             job = jobs.fetch(t.conn, job_id)
             waits = self._waits(job) if self._waits is not None else None

@@ -19,6 +19,7 @@ import shlex
 import string
 
 from . import pruning
+from .lifecycle import LimitRefused
 from .db import metric_defs, metrics, sweeps as db_sweeps
 from .worker import Worker
 
@@ -209,7 +210,8 @@ def parse_early_stopping(es):
 SPEC_KEYS = {"name", "command", "parameters", "trials", "seed", "parallel", "metric",
              "direction", "early_stopping", "working_dir", "gpus", "cpu_only", "priority",
              "max_attempts", "env", "project", "experiment", "tb_dir", "watch_dir", "image",
-             "eval_command", "retention"}
+             "eval_command", "retention", "time_limit", "time_limit_s", "time_limit_min",
+             "time_signal", "preemptible"}
 
 
 def parse_spec(data):
@@ -373,7 +375,14 @@ class Sweeper(Worker):
             return
         room = spec["parallel"] - n["active"]
         for trial in db_sweeps.next_trials(self.db, sweep["id"], room) if room > 0 else ():
-            self.launch(sweep, trial)
+            try:
+                self.launch(sweep, trial)
+            except LimitRefused as e:       # the project's maximum changed since create
+                with self.lifecycle.transaction() as t:
+                    db_sweeps.set_state(t.conn, sweep["id"], "STOPPED", str(e))
+                    t.publish = True
+                log.warning("sweep %d stopped: %s", sweep["id"], e)
+                return
         if not n["todo"] and not n["active"]:
             with self.lifecycle.transaction() as t:
                 db_sweeps.set_state(t.conn, sweep["id"], "DONE")

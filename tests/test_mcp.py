@@ -15,7 +15,7 @@ OBSERVE = {"get_status", "list_jobs", "get_job", "get_job_logs", "list_runs", "g
            "get_metric_summary", "get_metric_series", "get_metric_table", "list_checkpoints",
            "list_events", "whoami"}
 CONTROL = {"submit_job", "cancel_job", "retry_job", "evaluate_checkpoint", "set_primary_metric",
-           "pin_checkpoint", "prune_checkpoints"}
+           "pin_checkpoint", "prune_checkpoints", "set_project_defaults"}
 SEMANTIC = {"diagnose_run", "compare_runs", "compare_checkpoints", "get_best_checkpoint",
             "explain_failure"}
 SWEEPS = {"list_sweeps", "get_sweep", "wait_for_sweep", "create_sweep", "cancel_sweep",
@@ -225,7 +225,8 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             "evaluate_checkpoint": {"checkpoint_id": 1},
             "pin_checkpoint": {"checkpoint_id": 1},
             "prune_checkpoints": {"job_id": job["id"]},
-            "set_primary_metric": {"key": "val/loss", "direction": "min"}}
+            "set_primary_metric": {"key": "val/loss", "direction": "min"},
+            "set_project_defaults": {"project": "p", "time_limit": "2h"}}
 
     async def as_reader(call, client):
         assert ok(await call("whoami"))["can_write"] is False

@@ -20,6 +20,7 @@ from .. import evaluations, metricwire, recommend as rec
 from .validate import body, field, opt_number, query_int
 from . import current_db, current_lifecycle
 from .runs import run_or_404 as _run_or_404, writable_run
+from .jobs import time_limit
 
 bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
 
@@ -132,7 +133,9 @@ def evaluate(checkpoint_id):
         working_dir=field(data, "working_dir", str, None, max_len=4096, nullable=True),
         gpus=field(data, "gpus", int, None, min=0, max=64, nullable=True),
         cpu_only=field(data, "cpu_only", bool, None, nullable=True),
-        priority=field(data, "priority", int, None, min=-1000, max=1000, nullable=True))
+        priority=field(data, "priority", int, None, min=-1000, max=1000, nullable=True),
+        time_limit_s=time_limit(data),
+        preemptible=field(data, "preemptible", bool, None, nullable=True))
     return _shape_eval(evaluation), 201
 
 

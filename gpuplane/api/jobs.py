@@ -9,7 +9,7 @@ import time
 
 from flask import Blueprint, Response, current_app, request
 
-from .. import lifecycle, retention, states
+from .. import lifecycle, retention, states, timelimit
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -113,10 +113,47 @@ def parse_job_spec(data):
         # asked of Slurm by a Slurm agent (docs/slurm.md); a local agent ignores them
         "cpus": field(data, "cpus", int, None, min=1, max=4096, nullable=True),
         "mem_mb": field(data, "mem_mb", int, None, min=1, max=2**31, nullable=True),
-        "time_limit_min": field(data, "time_limit_min", int, None, min=1, max=525600,
-                                nullable=True),
+        # the time limit (docs/scheduling.md): its warning, the stop, backfill's ends
+        "time_limit_s": time_limit(data),
+        "time_signal": time_signal(data),
+        "preemptible": field(data, "preemptible", bool, None, nullable=True),
         "retention": _retention(data.get("retention")),
     }
+
+
+def time_limit(data):
+    """'time_limit' (a duration such as "2h", "90m", "1:30:00", or seconds),
+    'time_limit_s' or 'time_limit_min' (whole minutes, as the Slurm runner first took it)
+    -> seconds or None."""
+    given = [k for k in ("time_limit", "time_limit_s", "time_limit_min")
+             if data.get(k) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"give one time limit, not {' and '.join(map(repr, given))}: "
+                         "'time_limit' takes a duration such as \"2h\"")
+    if not given:
+        return None
+    key = given[0]
+    value = data[key]
+    if key != "time_limit" and (not isinstance(value, int) or isinstance(value, bool)):
+        raise BadRequest(f"'{key}' must be a whole number; or give 'time_limit' as a "
+                         f"duration such as \"2h\"")
+    try:
+        return timelimit.parse(value * 60 if key == "time_limit_min" else value,
+                               what=f"'{key}'")
+    except timelimit.LimitError as e:
+        raise BadRequest(str(e)) from None
+
+
+def time_signal(data):
+    """'time_signal': the warning before the limit, "USR1@60" (None: the server's)."""
+    value = field(data, "time_signal", str, None, max_len=40, nullable=True)
+    if value is None:
+        return None
+    try:
+        name, lead = timelimit.parse_signal(value, 0)
+    except timelimit.LimitError as e:
+        raise BadRequest(str(e)) from None
+    return f"{name}@{lead}" if "@" in value else name
 
 
 def _retention(data):
@@ -163,7 +200,10 @@ def _dependencies(data, job_id=None, required=False):
 @bp.post("/jobs")
 @requires("write")
 def submit():
-    return current_lifecycle().submit(parse_job_spec(body())), 201
+    try:
+        return current_lifecycle().submit(parse_job_spec(body())), 201
+    except lifecycle.LimitRefused as e:
+        raise BadRequest(str(e)) from None
 
 
 @bp.get("/jobs")
@@ -179,7 +219,11 @@ def list_jobs():
 @bp.get("/jobs/<int:job_id>")
 @requires("read")
 def show(job_id):
-    return job_view(with_attempts(current_db(), _job_or_404(job_id)))
+    job = with_attempts(current_db(), _job_or_404(job_id))
+    if job.get("time_limit_s"):
+        job["warning_signal"] = timelimit.warning_signal(
+            job, current_app.config["GPUPLANE"].get("time_signal"))
+    return job_view(job)
 
 
 def with_attempts(db, job):

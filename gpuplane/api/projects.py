@@ -20,7 +20,7 @@ from flask import Blueprint, request
 from ..auth import requires
 from ..db import dumps, metric_defs, projects, runs
 from ..errors import BadRequest, Conflict, NotFound
-from .. import recommend as rec, retention
+from .. import recommend as rec, retention, timelimit
 from .validate import body, field, query_int
 from . import current_db
 
@@ -99,6 +99,9 @@ def show_project(name):
 def update_project(name):
     _project_or_404(name)
     data = body()
+    limits = _scheduling_defaults(name, data)
+    if limits:
+        projects.set_scheduling_defaults(current_db(), name, limits)
     new = check_name(data["name"], "project") if data.get("name") is not None else None
     try:
         return projects.update_project(
@@ -107,6 +110,33 @@ def update_project(name):
             archived=field(data, "archived", bool, None, nullable=True))
     except projects.Exists:
         raise Conflict(f"project {new!r} already exists; pick another name") from None
+
+
+def _scheduling_defaults(name, data):
+    """'time_limit' (its jobs' limit when they give none), 'max_time_limit' (the most they
+    may ask for), 'preemptible' (their default): a duration such as "2h" or seconds; null
+    clears one (docs/scheduling.md)."""
+    out = {}
+    for key, column in (("time_limit", "time_limit_s"), ("max_time_limit", "max_time_limit_s")):
+        if key in data:
+            try:
+                out[column] = (None if data[key] is None else
+                               timelimit.parse(data[key], what=f"'{key}'"))
+            except timelimit.LimitError as e:
+                raise BadRequest(str(e)) from None
+    if "preemptible" in data:
+        out["preemptible"] = field(data, "preemptible", bool, None, nullable=True)
+    if out:
+        with current_db().read() as conn:
+            now = projects.scheduling_defaults(conn, name)
+        default = out.get("time_limit_s", now["time_limit_s"])
+        most = out.get("max_time_limit_s", now["max_time_limit_s"])
+        if default is not None and most is not None and default > most:
+            raise BadRequest(f"project {name!r}'s default time limit "
+                             f"({timelimit.describe(default)}) would be above its maximum "
+                             f"({timelimit.describe(most)}); lower the default or raise "
+                             "the maximum")
+    return out
 
 
 @bp.delete("/projects/<name>")

@@ -10,7 +10,7 @@
 """
 from flask import Blueprint, current_app
 
-from .. import metricwire, series as planner, states, sweeps
+from .. import lifecycle, metricwire, series as planner, states, sweeps
 from ..auth import requires
 from ..db import jobs, metrics, sweeps as sweeps_db
 from ..errors import BadRequest, Conflict, NotFound
@@ -22,7 +22,8 @@ bp = Blueprint("sweeps", __name__, url_prefix="/api/v1")
 
 STATES = states.SWEEP_STATES
 JOB_FIELDS = ("working_dir", "gpus", "cpu_only", "priority", "max_attempts", "env",
-              "tb_dir", "watch_dir", "image", "eval_command", "retention")
+              "tb_dir", "watch_dir", "image", "eval_command", "retention", "time_limit",
+              "time_limit_s", "time_limit_min", "time_signal", "preemptible")
 
 
 def _sweep_or_404(sweep_id):
@@ -50,6 +51,8 @@ def create():
     job_data = {k: data[k] for k in JOB_FIELDS if k in data}
     if "max_attempts" not in job_data:
         job_data["max_attempts"] = 1       # a trial that fails is re-run by retry-failed
+    if job_data.get("preemptible") is None:
+        job_data["preemptible"] = True     # a trial resumes from its checkpoint when stopped
     sample = sweeps.fill(spec["template"], {**params[0], "trial": 0, "sweep_id": 0})
     job = parse_job_spec({**job_data, "command": sample, "name": "trial"})
     project = (data.get("project") or "default") if isinstance(data.get("project"),
@@ -60,6 +63,11 @@ def create():
         raise BadRequest("'project' and 'experiment' must be names (strings of at most 200 "
                          "characters)")
     db = current_db()
+    try:
+        with db.read() as conn:
+            lifecycle.apply_project_defaults(conn, dict(job, project=project))
+    except lifecycle.LimitRefused as e:
+        raise BadRequest(str(e)) from None
     key, d, _ = sweeps.resolve_metric(db, spec, project, experiment)
     if spec["early_stopping"]:
         if key is None:
@@ -74,7 +82,8 @@ def create():
         job.pop(k, None)
     spec["job"] = {k: job[k] for k in ("working_dir", "gpus", "cpu_only", "priority",
                                        "max_attempts", "env", "tb_dir", "watch_dir",
-                                       "image", "eval_command", "retention")}
+                                       "image", "eval_command", "retention",
+                                       "time_limit_s", "time_signal", "preemptible")}
     name = spec["name"] or f"{experiment or 'sweep'}"
     with current_lifecycle().transaction() as t:
         sweep_id = sweeps_db.create(t.conn, name, project, experiment, spec, params)

@@ -91,6 +91,19 @@ def add_parser(subparsers):
         p.add_argument("name")
         p.add_argument("new_name")
         p.set_defaults(func=cmd_update, noun=noun)
+        if noun == "project":
+            p = command(sub, "defaults", "a project's scheduling defaults: its jobs' time "
+                        "limit when they give none, the most they may ask for, whether "
+                        "they are preemptible (docs/scheduling.md); no option shows them",
+                        parents=(conn, js))
+            p.add_argument("name")
+            p.add_argument("--time", type=_limit_or_none, metavar="T", default=_UNSET,
+                           help="default time limit (2h, 90m, 1:30:00; none clears it)")
+            p.add_argument("--max-time", type=_limit_or_none, metavar="T", default=_UNSET,
+                           help="the longest limit a job may ask for (none clears it)")
+            p.add_argument("--preemptible", action=argparse.BooleanOptionalAction,
+                           default=None, help="its jobs are preemptible unless they say not")
+            p.set_defaults(func=cmd_project_defaults, noun=noun)
         if noun == "exp":
             p = command(sub, "retention", "the checkpoint retention policy of an experiment's "
                         "jobs that have none of their own (docs/checkpoints.md)",
@@ -329,6 +342,34 @@ def cmd_update(args):
     else:
         obj = client.update_experiment(args.project, args.name, fields)
     return _done(args, obj, f"{args.noun} {obj['name']}")
+
+
+_UNSET = object()
+
+
+def _limit_or_none(text):
+    if text.strip().lower() == "none":
+        return None
+    from .jobs import time_limit_arg
+    return time_limit_arg(text)
+
+
+def cmd_project_defaults(args):
+    from gpuplane import timelimit
+    fields = {k: v for k, v in (("time_limit", args.time), ("max_time_limit", args.max_time))
+              if v is not _UNSET}
+    if args.preemptible is not None:
+        fields["preemptible"] = args.preemptible
+    client = make_client(args)
+    obj = (client.update_project(args.name, fields) if fields else
+           client.get_project(args.name))
+    said = ", ".join(x for x in (
+        f"time limit {timelimit.describe(obj['time_limit_s'])}" if obj.get("time_limit_s")
+        else "no default time limit",
+        f"at most {timelimit.describe(obj['max_time_limit_s'])}"
+        if obj.get("max_time_limit_s") else "no maximum",
+        "preemptible" if obj.get("preemptible") else "not preemptible") if x)
+    return _done(args, obj, f"project {obj['name']}: {said}")
 
 
 def cmd_exp_retention(args):

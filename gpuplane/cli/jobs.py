@@ -70,9 +70,7 @@ def add_parser(subparsers):
                         "docs/slurm.md); local agents ignore it")
     p.add_argument("--mem", type=memory_mb, metavar="SIZE", dest="mem_mb",
                    help="memory, for a Slurm agent (sbatch --mem): 512M, 16G")
-    p.add_argument("--time", type=minutes, metavar="T", dest="time_limit_min",
-                   help="time limit, for a Slurm agent (sbatch --time): minutes, H:MM or "
-                        "D-HH:MM; past it the job ends TIMEOUT")
+    add_time_options(p)
     p.add_argument("--eval-command", metavar="CMD",
                    help="how to evaluate one of its checkpoints (run through /bin/sh -c by "
                         "`gpuplane ckpt evaluate ID`, with $GPUCTL_CHECKPOINT_PATH set)")
@@ -170,7 +168,7 @@ def job_body(args):
         "eval_command": args.eval_command,
         "cpus": args.cpus or None,
         "mem_mb": args.mem_mb,
-        "time_limit_min": args.time_limit_min,
+        **time_fields(args),
         "retention": {k: v for k, v in (("keep_best", args.keep_best),
                                         ("keep_last", args.keep_last)) if v is not None}
         or None,
@@ -189,22 +187,45 @@ def memory_mb(text):
     return max(1, {"K": n // 1024, "": n, "M": n, "G": n * 1024, "T": n * 1024 ** 2}[unit])
 
 
-def minutes(text):
-    """`--time 90`, `1:30` (H:MM), `1:30:00`, `2-00:00` (D-HH:MM) -> whole minutes, rounded
-    up (Slurm's limits are whole minutes)."""
-    import re
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?", text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected minutes (90), H:MM (1:30) or D-HH:MM, "
-                                         f"got {text!r}")
-    days, first, second, third = (int(g) if g else 0 for g in m.groups())
-    if m.group(1) or m.group(3):        # D-HH..., H:MM, H:MM:SS
-        total = days * 1440 + first * 60 + second + (1 if third else 0)
-    else:
-        total = first
-    if total <= 0:
-        raise argparse.ArgumentTypeError(f"a time limit must be at least a minute, got {text!r}")
-    return total
+def time_limit_arg(text):
+    """`--time 2h` (90m, 1:30:00, 2-00:00:00; a bare number is minutes) -> seconds."""
+    from gpuplane import timelimit
+    try:
+        return timelimit.parse(text, what="--time")
+    except timelimit.LimitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def warning_signal(text):
+    """`--signal USR1@60` -> the text, checked."""
+    from gpuplane import timelimit
+    try:
+        timelimit.parse_signal(text, 0)
+    except timelimit.LimitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_time_options(p, trials=False):
+    """--time, --signal, --preemptible / --no-preemptible (docs/scheduling.md)."""
+    whose = "each trial's" if trials else "the job's"
+    p.add_argument("--time", type=time_limit_arg, metavar="T", dest="time_limit_s",
+                   help=f"{whose} time limit: 2h, 90m, 1:30:00 (a bare number is minutes); "
+                        "the warning signal comes before it, then SIGTERM, SIGKILL; it ends "
+                        "FAILED with kind TIMEOUT. Backfill runs limited jobs early "
+                        "(default: the project's)")
+    p.add_argument("--signal", type=warning_signal, metavar="SIG[@S]", dest="time_signal",
+                   help="the warning S seconds before the limit or a preemption's stop "
+                        "(default: the server's, USR1@60)")
+    p.add_argument("--preemptible", action=argparse.BooleanOptionalAction, default=None,
+                   help="a job of higher priority may stop it (warning, grace, SIGTERM) "
+                        "and queue it again to resume from its last checkpoint (default: "
+                        + ("on for trials)" if trials else "the project's, else off)"))
+
+
+def time_fields(args):
+    return {"time_limit_s": args.time_limit_s, "time_signal": args.time_signal,
+            "preemptible": args.preemptible}
 
 
 def _default_name(cmd):
@@ -315,9 +336,11 @@ def cmd_job_show(args):
         ("image", job.get("image")),
         ("asks Slurm", ", ".join(x for x in (
             f"{job['cpus']} CPUs" if job.get("cpus") else None,
-            f"{job['mem_mb']} MiB" if job.get("mem_mb") else None,
-            f"{job['time_limit_min']} min" if job.get("time_limit_min") else None) if x)
+            f"{job['mem_mb']} MiB" if job.get("mem_mb") else None) if x)
          or None),
+        ("time limit", _limit_text(job)),
+        ("preemptible", "yes" if job.get("preemptible") else None),
+        ("preempted by", f"job {job['preempted_by']}" if job.get("preempted_by") else None),
         ("tensorboard", job.get("tb_dir")),
         ("watch", job.get("watch_dir")),
         ("node", job.get("node")),
@@ -356,6 +379,17 @@ def cmd_job_show(args):
     from .events import print_recent
     print_recent(client, job=args.job_id)
     return EXIT_OK
+
+
+def _limit_text(job):
+    from gpuplane import timelimit
+    if not job.get("time_limit_s"):
+        return None
+    text = timelimit.describe(job["time_limit_s"])
+    sig = job.get("warning_signal")
+    if sig:
+        text += f" (SIG{sig[0]} {sig[1]} s before)"
+    return text
 
 
 def _when(ms):

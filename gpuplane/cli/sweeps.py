@@ -3,6 +3,7 @@ cancel, retry-failed (docs/sweeps.md)."""
 
 import os
 
+from .jobs import add_time_options, time_fields
 from .common import (EXIT_OK, CliError, ago, command, env_pair, id_type, make_client, parents,
                      print_json, print_table)
 
@@ -54,6 +55,7 @@ def add_parser(subparsers):
     p.add_argument("--min-trials", type=int, help="median: other trials needed at a step")
     p.add_argument("--min-steps", type=int, help="asha: the first rung's step")
     p.add_argument("--eta", type=int, help="asha: keep the top 1/eta at each rung")
+    add_time_options(p, trials=True)
     p.add_argument("cmd", nargs="*", metavar="CMD",
                    help="the template as an argv, after `--` (instead of --command)")
     p.set_defaults(func=cmd_create)
@@ -124,6 +126,11 @@ def build_spec(args):
                 "working_dir"):
         v = getattr(args, key, None)
         if v is not None:
+            spec[key] = v
+    for key, v in time_fields(args).items():
+        if v is not None:
+            if key == "time_limit_s":
+                spec.pop("time_limit", None)     # --time over the file's time_limit
             spec[key] = v
     if args.template is not None and args.cmd:
         raise CliError("give the command once: --command TEMPLATE or after `--`", code=2)

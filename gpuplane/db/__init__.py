@@ -461,11 +461,28 @@ SCHEMA_V16_QUEUE_ORDER = """
 CREATE INDEX jobs_queue ON jobs(state, priority DESC, queued_at, id);
 """
 
+# Time limits, backfill and preemption (gpuplane/scheduler.py, docs/scheduling.md): a
+# job's limit in seconds (time_limit_min, from the Slurm runner's first version, was whole
+# minutes and is carried over), the warning signal before it ("USR1@60"), whether it may be
+# preempted and which job preempted it last; a project's default and largest limit and
+# whether its jobs are preemptible by default.
+SCHEMA_V17_TIME_LIMITS = """
+ALTER TABLE jobs ADD COLUMN time_limit_s INTEGER;
+ALTER TABLE jobs ADD COLUMN time_signal TEXT;
+ALTER TABLE jobs ADD COLUMN preemptible INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN preempted_by INTEGER;
+UPDATE jobs SET time_limit_s = time_limit_min * 60 WHERE time_limit_min IS NOT NULL;
+ALTER TABLE projects ADD COLUMN time_limit_s INTEGER;
+ALTER TABLE projects ADD COLUMN max_time_limit_s INTEGER;
+ALTER TABLE projects ADD COLUMN preemptible INTEGER;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
               SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION,
-              SCHEMA_V15_EXPERIMENT_RETENTION, SCHEMA_V16_QUEUE_ORDER]
+              SCHEMA_V15_EXPERIMENT_RETENTION, SCHEMA_V16_QUEUE_ORDER,
+              SCHEMA_V17_TIME_LIMITS]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

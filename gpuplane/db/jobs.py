@@ -31,6 +31,7 @@ def to_dict(row):
     d["stop_reason"] = loads(d.get("stop_reason"))
     d["resume"] = bool(d.get("resume"))
     d["retention"] = loads(d.get("retention"))
+    d["preemptible"] = bool(d.get("preemptible"))
     return d
 
 
@@ -156,8 +157,9 @@ def insert(conn, spec, ts):
         "INSERT INTO jobs (name, kind, command, working_dir, gpus, cpu_only, priority,"
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
         " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
-        " created_at, queued_at, cpus, mem_mb, time_limit_min, retention)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " created_at, queued_at, cpus, mem_mb, time_limit_min, retention, time_limit_s,"
+        " time_signal, preemptible)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -167,8 +169,9 @@ def insert(conn, spec, ts):
          dumps(spec["eval_command"]) if spec.get("eval_command") else None,
          spec.get("image"), dumps(spec["config"]) if spec.get("config") else None,
          spec.get("sweep_id"), ts, ts, spec.get("cpus"), spec.get("mem_mb"),
-         spec.get("time_limit_min"),
-         dumps(spec["retention"]) if spec.get("retention") else None))
+         -(-spec["time_limit_s"] // 60) if spec.get("time_limit_s") else None,
+         dumps(spec["retention"]) if spec.get("retention") else None,
+         spec.get("time_limit_s"), spec.get("time_signal"), int(bool(spec.get("preemptible")))))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 

@@ -24,7 +24,37 @@ def ensure(conn, project, experiment=""):
 def _project(row):
     d = dict(row)
     d["archived"] = bool(d["archived"])
+    if d.get("preemptible") is not None:
+        d["preemptible"] = bool(d["preemptible"])
     return d
+
+
+# A project's scheduling defaults (docs/scheduling.md): its jobs' time limit when they
+# give none, the largest limit they may ask for, whether they are preemptible by default.
+SCHEDULING_FIELDS = ("time_limit_s", "max_time_limit_s", "preemptible")
+
+
+def scheduling_defaults(conn, project):
+    """{time_limit_s, max_time_limit_s, preemptible} of a project (None: not set), inside
+    the caller's transaction or read block."""
+    row = conn.execute("SELECT time_limit_s, max_time_limit_s, preemptible FROM projects"
+                       " WHERE name = ?", (project,)).fetchone()
+    if row is None:
+        return dict.fromkeys(SCHEDULING_FIELDS)
+    return {"time_limit_s": row[0], "max_time_limit_s": row[1],
+            "preemptible": None if row[2] is None else bool(row[2])}
+
+
+def set_scheduling_defaults(db, name, fields):
+    """Set (a value) or clear (None) the given SCHEDULING_FIELDS of a project, making it
+    if it does not exist yet."""
+    with db.tx() as c:
+        ensure(c, name)
+        for key, value in fields.items():
+            assert key in SCHEDULING_FIELDS
+            c.execute(f"UPDATE projects SET {key} = ? WHERE name = ?",
+                      (None if value is None else int(value), name))
+    return get_project(db, name)
 
 
 _PROJECT_SQL = (
