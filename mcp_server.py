@@ -333,10 +333,14 @@ class Gpuplane:
     def need_write(self, tool):
         who = self.whoami()
         if not who.get("can_write"):
+            # Over HTTP the caller's own token decides, not the one gpuplane-mcp started with.
+            fix = ("send a token with write scope in your Authorization header"
+                   if _caller_token.get() is not None else "restart gpuplane-mcp with a "
+                   "write token (GPUCTL_MCP_TOKEN, GPUCTL_TOKEN or --token)")
             raise ToolFailure(
                 f"WriteScopeError: {tool} changes the platform and this token "
-                f"({who.get('name')!r}) has {who.get('scope')} scope; restart gpuplane-mcp with "
-                "a write token (`gpuplane token create --name NAME --scope write`)")
+                f"({who.get('name')!r}) has {who.get('scope')} scope; {fix} (an admin makes "
+                "one with `gpuplane token create --name NAME --scope write`)")
 
     def whoami(self):
         """The token's whoami, cached for WHOAMI_TTL_S (every control tool asks)."""

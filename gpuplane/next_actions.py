@@ -202,8 +202,9 @@ CLI = {
         "name": "-n", "gpus": "-g", "working_dir": "-d", "cpu_only": "--cpu-only",
         "priority": "--priority", "max_attempts": "--max-attempts", "env": "--env",
         "project": "--project", "experiment": "--experiment", "tb_dir": "--tb-dir",
-        "watch_dir": "--watch", "eval_command": ("--eval-command", "line"), "command": "--"},
-        ()),
+        "watch_dir": "--watch", "eval_command": ("--eval-command", "line"),
+        "time_limit": "--time", "preemptible": {True: "--preemptible", False: "--no-preemptible"},
+        "command": "--"}, ()),
     # `job wait` waits for the end, which is also past the start or any change
     "wait_for_job": ("job wait", ["job_id"], {}, ("timeout_s", "until")),
     "wait_for_jobs": ("job wait", ["job_ids"], {"mode": {"any": "--any", "all": None}},
@@ -235,12 +236,14 @@ def cli_command(act):
     after = []
     for name, flag in flags.items():
         value = args.get(name)
-        if value is None or value is False:
+        if value is None:
             continue
         if isinstance(flag, dict):
             flag = flag.get(value)
             if flag:
                 out.append(flag)
+        elif value is False:
+            continue
         elif isinstance(flag, tuple):
             out += [flag[0], shlex.join(value) if isinstance(value, list) else str(value)]
         elif flag == "--":

@@ -64,3 +64,29 @@ def test_docs_list_every_tool_and_argument(tools):
         assert m, f"docs/mcp.md has no section for {name}"
         for arg in tool.input_schema.get("properties", {}):
             assert f"`{arg}`" in m.group(1), f"docs/mcp.md: {name} does not list {arg}"
+
+
+def test_docs_count_the_tools_tools_list_returns(tools):
+    """The counts in README.md, docs/mcp.md and the plugin come from the tool table: the totals equal
+    what tools/list returns, each reference heading `## Group (N...)` has N tools under
+    it, and each intro bullet `N **group** tools` agrees with its heading."""
+    readme = (ROOT / "README.md").read_text()
+    doc = (ROOT / "docs" / "mcp.md").read_text()
+    assert re.findall(r"(\d+) MCP tools", readme) == [str(len(tools))]
+    assert re.findall(r"(\d+) MCP tools", doc) == [str(len(tools))]
+    plugin = json.loads((ROOT / ".claude-plugin" / "plugin.json").read_text())
+    assert re.findall(r"(\d+) MCP tools", plugin["description"]) == [str(len(tools))]
+    reference = doc[doc.index("# Tool reference"):]
+    sections = re.split(r"^## ", reference, flags=re.M)[1:]
+    counted = {}
+    for section in sections:
+        m = re.match(r"(\w+) \((\d+)", section)
+        assert m, section[:80]
+        found = re.findall(r"^### `(\w+)`", section, re.M)
+        assert int(m[2]) == len(found), (m[1], m[2], found)
+        counted[m[1].lower()] = len(found)
+    assert sum(counted.values()) == len(tools)
+    bullets = dict((k, int(n)) for n, k in re.findall(r"^- (\d+) \*\*(\w+)\*\* tools", doc,
+                                                       re.M))
+    assert bullets and all(counted[k if k in counted else k + "s"] == n
+                           for k, n in bullets.items()), (bullets, counted)

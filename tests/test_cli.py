@@ -94,7 +94,7 @@ BAD = [
     (["job", "list", "--state", "SLEEPING"], "invalid choice"),
     (["logs", "--tail", "many", "3"], "expected a whole number"),
     (["token", "create", "--name", "x", "--scope", "root"], "invalid choice: 'root'"),
-    (["token", "create", "--scope", "read"], "required: --name"),
+    # `token create` without --name: tests/test_newcomer.py (--agent NODE names it)
     (["server", "--port", "70000"], "a port is 0-65535"),
 ]
 

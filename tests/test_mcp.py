@@ -233,6 +233,7 @@ def test_bad_token_and_scopes(live_server, tmp_path):
         for tool in sorted(CONTROL):
             msg = err(await call(tool, **args[tool]))
             assert msg.startswith("WriteScopeError"), (tool, msg)
+            assert "restart gpuplane-mcp with a write token" in msg, msg
         assert ok(await call("get_job", job_id=job["id"]))["state"] == "QUEUED"
         # No agent: nothing happens to the job, and the wait says so at its timeout.
         w = ok(await call("wait_for_job", job_id=job["id"], timeout_s=1, until="change"))
@@ -272,6 +273,9 @@ def test_bad_token_and_scopes(live_server, tmp_path):
             assert who["scope"] == "read"
             r = await reader.call_tool("cancel_job", {"job_id": job["id"]})
             assert r.is_error and "WriteScopeError" in r.content[0].text
+            # the caller's own token decides: the fix is a better token, not a restart
+            assert "in your Authorization header" in r.content[0].text, r.content[0].text
+            assert "restart gpuplane-mcp" not in r.content[0].text
         headers = {"Authorization": f"Bearer {write}"}
         async with httpx2.AsyncClient(headers=headers) as http, \
                 Client(streamable_http_client(url, http_client=http)) as mine:

@@ -221,6 +221,8 @@ def _sample(name, field, n):
         return [200 + n, 300 + n] if inner is int else [f"w{n}a", f"w{n}b"]
     if origin is dict:
         return {f"K{n}": f"v{n}"}
+    if name == "time_limit":
+        return "90m"
     if name in ("command", "eval_command"):
         return f"python s{n}.py --x {n}"
     if name.endswith("_dir"):
@@ -277,6 +279,7 @@ def test_every_suggested_tool_has_a_cli_command_that_parses_to_the_same_argument
                 assert getattr(parsed, dest) is True, (line, name, dest)
             else:
                 for v in _flat([value]):
+                    v = {"90m": 5400}.get(v, v)       # --time is parsed into seconds
                     assert str(v) in seen, (tool, name, v, line, vars(parsed))
 
 
@@ -385,3 +388,29 @@ def test_a_relative_dir_is_refused_in_one_line_without_a_node_on_this_host(
     assert code == 1 and out == ""
     assert err.startswith("error: ") and "relative/dir" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_agent_token_is_named_after_its_node_and_others_need_a_name(
+        live_server, monkeypatch, capsys):
+    code, out, err = _cli(live_server, monkeypatch, capsys, "token", "create", "--agent",
+                          "cluster")
+    assert code == 0 and out.strip().startswith("gp"), err
+    assert "'agent cluster' scope agent" in err
+    code, out, err = _cli(live_server, monkeypatch, capsys, "token", "create", "--scope",
+                          "read")
+    assert code == 2 and out == ""
+    assert err == "error: give the token a --name saying what it is for, e.g. --name " \
+        "laptop\n"
+
+
+def test_doctor_judges_a_slurm_node_by_its_partition_not_its_login_node():
+    from gpuplane.cli import doctor
+    node = {"name": "cluster", "state": "connected", "runner": "slurm", "gpus": [],
+            "cpu_slots": 8, "version": "0.1.0",
+            "slurm": {"partition": "gpu", "nodes": 1, "max_gpus": 2}}
+    r = doctor.Report()
+    doctor._check_slurm_node(r, node)
+    assert not r.failed and "Slurm partition gpu: 1 nodes, up to 2 GPUs" in r.lines[0]["detail"]
+    r = doctor.Report()
+    doctor._check_slurm_node(r, dict(node, slurm={"error": "sinfo: command not found"}))
+    assert r.failed and "sinfo failed" in r.lines[0]["detail"]

@@ -98,6 +98,8 @@ def run_checks(args):
         elif node.get("version") and server_version and node.get("version") != server_version:
             r.fail(f"agent {node['name']}", text, f"upgrade the agent to {server_version} "
                    "(copy agent.py from this version)")
+        elif node.get("runner") == "slurm":
+            _check_slurm_node(r, node)
         elif gpus == 0 and not node.get("fake"):
             r.fail(f"agent {node['name']}", text + "; only CPU jobs can run there",
                    "install the NVIDIA driver, or run the agent with --fake-gpus N to try "
@@ -105,6 +107,21 @@ def run_checks(args):
         else:
             r.ok(f"agent {node['name']}", text)
     return r
+
+
+def _check_slurm_node(r, node):
+    # Its GPUs are the partition's (sinfo at connect), not the login node's (docs/slurm.md).
+    offer = node.get("slurm") or {}
+    where = f"agent {node['name']}"
+    if offer.get("error"):
+        r.fail(where, f"{node['name']}: connected, Slurm: sinfo failed: {offer['error']}",
+               "check the Slurm client commands on the agent's host (sinfo, sbatch; "
+               "SLURM_CONF) and restart the agent")
+        return
+    r.ok(where, f"{node['name']}: connected, Slurm partition "
+         f"{offer.get('partition') or '(default)'}: {offer.get('nodes')} nodes, up to "
+         f"{offer.get('max_gpus')} GPUs a node, {node.get('cpu_slots')} jobs at once, "
+         f"agent {node.get('version')}")
 
 
 def _check_disk(r, home):

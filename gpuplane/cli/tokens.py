@@ -9,7 +9,8 @@ def add_parser(subparsers):
     tok = command(subparsers, "token", "manage API tokens (admin)", parents=(conn,))
     tsub = tok.add_subparsers(dest="token_command", metavar="TOKEN_COMMAND", required=True)
     p = command(tsub, "create", "create a token; its secret is printed once", parents=(conn, js))
-    p.add_argument("--name", required=True, help="what the token is for, e.g. laptop")
+    p.add_argument("--name", help="what the token is for, e.g. laptop (with --agent NODE: "
+                   "'agent NODE' unless given)")
     p.add_argument("--scope", choices=TOKEN_SCOPES,
                    help="read: look only; write: submit/cancel (runs any command on every "
                         "GPU host); admin: everything; agent: use --agent NODE")
@@ -32,6 +33,10 @@ def cmd_token_create(args):
         if args.scope not in (None, "agent"):
             raise CliError("--agent makes an agent token; drop --scope", EXIT_USAGE)
         args.scope = "agent"
+        args.name = args.name or f"agent {args.agent}"
+    elif args.name is None:
+        raise CliError("give the token a --name saying what it is for, e.g. --name laptop",
+                       EXIT_USAGE)
     elif args.scope is None:
         raise CliError("give --scope read|write|admin, or --agent NODE for an agent",
                        EXIT_USAGE)
