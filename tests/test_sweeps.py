@@ -2,6 +2,7 @@
 run at once on one real server and agent: a grid within its parallel limit, one under
 ASHA made from a TOML file by the CLI, and one whose trials all fail."""
 import json
+import re
 import sys
 
 import pytest
@@ -271,9 +272,9 @@ def test_asha_from_a_toml_file_stops_the_worst_and_never_the_best(box, monkeypat
     rec = cli_run(box, monkeypatch, capsys, "ckpt", "recommend", "--sweep", str(sweep_id)).out
     assert "asha-1/step40.pt" in rec
     # each suggested evaluation names its own checkpoint (it once printed one line thrice)
-    evals = [line for line in rec.splitlines() if "evaluate_checkpoint(" in line]
+    evals = [line for line in rec.splitlines() if "gpuplane ckpt evaluate" in line]
     assert evals and len(set(evals)) == len(evals)
-    assert all("checkpoint_id=" in line for line in evals)
+    assert all(re.search(r"gpuplane ckpt evaluate \d+", line) for line in evals)
 
 
 def test_a_sweep_whose_trials_all_fail_stops_and_retries_keep_the_parameters(
