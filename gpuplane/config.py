@@ -86,12 +86,6 @@ SETTINGS = {
     # and the seconds before, as sbatch --signal=USR1@60. A job's --signal overrides it.
     "time_signal": ("USR1@60", lambda v: _signal_ok(v),
                     'a signal and its lead in seconds, e.g. "USR1@60"'),
-    # A preempted job gets the warning signal, then SIGTERM this long after it.
-    "preempt_grace_s": (30, lambda v: _number(v) and 0 <= v <= 3600,
-                        "a number of seconds from 0 to 3600"),
-    # A job that has run less than this is not preempted.
-    "preempt_min_run_s": (60, lambda v: _number(v) and 0 <= v <= 86400 * 7,
-                          "a number of seconds, 0 or more"),
 }
 def _signal_ok(v):
     from . import timelimit
@@ -135,8 +129,6 @@ class ServerConfig:
     backup_keep: int = SERVER_DEFAULTS["backup_keep"]
     scheduling: str = SERVER_DEFAULTS["scheduling"]
     time_signal: str = SERVER_DEFAULTS["time_signal"]
-    preempt_grace_s: float = SERVER_DEFAULTS["preempt_grace_s"]
-    preempt_min_run_s: float = SERVER_DEFAULTS["preempt_min_run_s"]
     events: dict = dataclasses.field(default_factory=dict)
     webhooks: list = dataclasses.field(default_factory=list)
     unknown: tuple = ()          # keys in server.toml nobody reads (reported at start)

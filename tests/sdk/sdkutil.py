@@ -33,6 +33,7 @@ class IngestServer:
         self.requests = []  # (method, path, headers, body) of every request
         self.applied = []  # (run_id, key, step, value) of every point applied in good mode
         self.runs = {}  # id -> body of POST /runs
+        self.accepted = []  # (path, raw) of every request applied in good mode
         self.hung = 0
         self._next_run = 100
         server = self
@@ -108,6 +109,8 @@ class IngestServer:
             body = decode_body(raw)
         except ValueError:
             return h._reply(400, {"error": {"code": "BadRequest", "message": "json"}})
+        with self.lock:
+            self.accepted.append((h.path, raw))
         parts = h.path.strip("/").split("/")  # api v1 runs [ID [what]]
         if parts == ["api", "v1", "runs"]:
             with self.lock:
@@ -142,6 +145,11 @@ class IngestServer:
     def posts(self, suffix):
         with self.lock:
             return [(p, decode_body(b)) for p, _, b in self.requests if p.endswith(suffix)]
+
+    def accepted_posts(self, suffix):
+        """Like posts(), but only the requests the server applied (not those it failed)."""
+        with self.lock:
+            return [(p, decode_body(b)) for p, b in self.accepted if p.endswith(suffix)]
 
     def close(self):
         self.release.set()
