@@ -51,6 +51,12 @@ def engine():
         pytest.skip(problem)
 
 
+def _node(name):
+    """A node name no other test run on this engine uses at once: the engine is shared, and
+    an agent removes its node's containers that it does not own."""
+    return f"{name}-{os.getpid()}"
+
+
 def _containers(node):
     r = _docker("ps", "-a", "--filter", f"label=gpuplane.node={node}", "--format", "{{.Names}}")
     return r.stdout.split()
@@ -62,7 +68,7 @@ def _submit(api, tmp_path, command, **fields):
 
 def test_a_container_job_has_the_bare_process_semantics(engine, live_server, agent_factory,
                                                         tmp_path):
-    agent_factory(live_server, name="dock1")
+    agent_factory(live_server, name=_node("dock1"))
     api = live_server.api
     job = _submit(api, tmp_path, 'echo "in a container"; '
                   'echo "cuda=$CUDA_VISIBLE_DEVICES run=$GPUCTL_RUN_ID mine=$MINE"; '
@@ -73,25 +79,25 @@ def test_a_container_job_has_the_bare_process_semantics(engine, live_server, age
     assert "in a container" in lines
     assert f"cuda={done['gpu_indices'][0]} run={done['run_id']} mine=x y" in lines
     assert (tmp_path / "out.txt").read_text() == "written\n"       # the working dir is mounted
-    assert _containers("dock1") == []                              # removed after its exit
+    assert _containers(_node("dock1")) == []                       # removed after its exit
     assert api.job(job["id"])["image"] == IMAGE
 
 
 def test_cancel_stops_the_container(engine, live_server, agent_factory, tmp_path):
-    agent_factory(live_server, name="dock2")
+    agent_factory(live_server, name=_node("dock2"))
     api = live_server.api
     job = _submit(api, tmp_path, "echo up; sleep 1000", gpus=1)
     wait_for(lambda: any(l["text"] == "up" for l in
                          api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]), 60,
              what="the container's first line")
-    assert _containers("dock2") == [f"gpuplane-dock2-{job['id']}-1"]
+    assert _containers(_node("dock2")) == [f"gpuplane-{_node('dock2')}-{job['id']}-1"]
     api.post(f"/api/v1/jobs/{job['id']}/cancel", expect=200)
     assert api.wait_job(job["id"], timeout=60)["state"] == "CANCELLED"
-    wait_for(lambda: _containers("dock2") == [], 30, what="the container gone")
+    wait_for(lambda: _containers(_node("dock2")) == [], 30, what="the container gone")
 
 
 def test_an_oom_killed_container_is_oom(engine, live_server, agent_factory, tmp_path):
-    agent_factory(live_server, name="dock3", extra=("--docker-arg=--memory=32m",))
+    agent_factory(live_server, name=_node("dock3"), extra=("--docker-arg=--memory=32m",))
     job = _submit(live_server.api, tmp_path, "x=0123456789; while true; do x=$x$x; done",
                   gpus=1)
     done = live_server.api.wait_job(job["id"], timeout=120)
@@ -100,7 +106,7 @@ def test_an_oom_killed_container_is_oom(engine, live_server, agent_factory, tmp_
 
 
 def test_a_missing_image_is_a_dispatch_failure(engine, live_server, agent_factory, tmp_path):
-    agent_factory(live_server, name="dock4")
+    agent_factory(live_server, name=_node("dock4"))
     job = live_server.api.submit(["true"], tmp_path, image="gpuplane-test/nope:1", gpus=1)
     done = live_server.api.wait_job(job["id"], timeout=60)
     assert (done["state"], done["failure_kind"]) == ("FAILED", "DISPATCH_FAILED")
@@ -110,7 +116,7 @@ def test_a_missing_image_is_a_dispatch_failure(engine, live_server, agent_factor
 
 def test_a_restarted_agent_readopts_its_container_and_removes_lost_ones(
         engine, live_server, agent_factory, tmp_path):
-    agent = agent_factory(live_server, name="dock5")
+    agent = agent_factory(live_server, name=_node("dock5"))
     api = live_server.api
     job = _submit(api, tmp_path, "echo up; while [ ! -e gate ]; do sleep 0.1; done; echo done",
                   gpus=1)
@@ -118,15 +124,16 @@ def test_a_restarted_agent_readopts_its_container_and_removes_lost_ones(
                          api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]), 60,
              what="the container's first line")
     agent.kill()
-    lost = "gpuplane-dock5-9999-1"
-    assert _docker("create", "--name", lost, "--label", "gpuplane.node=dock5", IMAGE,
+    lost = f"gpuplane-{_node('dock5')}-9999-1"
+    assert _docker("create", "--name", lost, "--label", f"gpuplane.node={_node('dock5')}",
+                   IMAGE,
                    "true").returncode == 0
     (tmp_path / "gate").touch()
     agent.start()
     done = api.wait_job(job["id"], timeout=90)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1
     assert [l["text"] for l in api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]] == ["up", "done"]
-    wait_for(lambda: _containers("dock5") == [], 30, what="lost containers removed")
+    wait_for(lambda: _containers(_node("dock5")) == [], 30, what="lost containers removed")
 
 
 def test_an_image_reference_is_checked_at_submit(live_server, tmp_path):
