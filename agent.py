@@ -150,7 +150,14 @@ _TB_HUGE_RECORD = 16 << 20        # larger records (graphs, big images) are skip
 TB_MAX_DEPTH = 8                  # levels below the TensorBoard dir walked for event files
 TB_MAX_ENTRIES = 20_000           # directory entries looked at per walk
 TB_MAX_KEY_CHARS = 512            # a longer tag is refused by the server; not sent
+TB_UNDECIDED_S = 30.0             # an event file nobody knows the writer of: warned after
 AGENT_HOME = None                 # set at start: the home is never walked for a job
+
+# whose file is it (Writers)
+WRITERS_SLACK_S = 1.0             # timestamps' coarseness (tensorboardX names: whole s)
+MTIME_SLACK_S = 0.01              # a file's mtime lags the clock by a tick (4 ms at 250 Hz)
+WRITERS_FRESH_S = 1.0             # a tree / open-file sample is redone after this long
+WRITERS_MAX_FDS = 4096            # open files looked at per process
 
 # checkpoints
 CKPT_INTERVAL_S = 5.0
@@ -1132,6 +1139,7 @@ class Attempt:
         self.term_sent = False
         self.killed = False
         self.tree = {}                    # pid -> create_time of every descendant seen
+        self.writers = Writers(self)      # which files its processes wrote
         self.log = LogTail(self)
         self.tb = TensorBoardHook(self)
         self.ckpt = CheckpointHook(self)
@@ -1448,6 +1456,8 @@ class Docker:
             passed[k] = env.get(k, "")
         gpus = [] if msg.get("cpu_only") else list(msg.get("gpus") or [])
         argv = [exe, "run", "--name", self.name(msg["job_id"], msg["attempt"]),
+                # the event files it writes name this host: whose they are (Writers)
+                "--hostname", container_hostname(msg["job_id"], msg["attempt"]),
                 "--init", "--pull", "never", "--network", "host",
                 "--user", f"{os.getuid()}:{os.getgid()}",
                 "--label", f"gpuplane.node={self.node}",
@@ -2118,6 +2128,199 @@ class LogTail:
                 chunk, size = [], 0
 
 
+# -- whose file is it (docs/tensorboard.md, "Whose file is it") ---------------------------
+#
+# A file under a folder an attempt watches is that attempt's only on evidence, in order:
+#   1. a process of the attempt holds it open for writing (a TensorBoard writer keeps its
+#      event file open; a big torch.save takes seconds) -- or a neighbour's process does;
+#   2. the event file's name: `events.out.tfevents.<time>.<host>[.<pid>.<n>]` (torch and
+#      TensorFlow write the pid; tensorboardX only the host): a time before the attempt
+#      started is never it; a container attempt's own hostname (gp-<job>-<attempt>) is
+#      it; a pid of its process tree (or its session) is it, a neighbour's is not;
+#   3. with no such evidence: written after it started, and no neighbour -- another
+#      attempt of this node alive while the file was written, whose folders hold it --
+#      could have written it.
+# Otherwise nobody is sure: the file is not read for the attempt, and one warning event
+# says which and how to give each job a folder of its own.
+
+OWN, OTHER, UNKNOWN = "own", "other", "unknown"
+_TB_NAME = re.compile(r"tfevents\.(\d{9,11})\.(.+?)(?:\.(\d+)\.(\d+))?(?:\.v2)?$")
+LOCAL_HOST = socket.gethostname()
+
+
+def tb_name_facts(name):
+    """-> (time_s, host, pid) from an event file's name; None for what it does not say."""
+    m = _TB_NAME.search(name)
+    if not m:
+        return None, None, None
+    return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def container_hostname(job_id, attempt):
+    """The hostname a container attempt runs under: the event files it writes say it."""
+    return f"gp-{int(job_id)}-{int(attempt)}"
+
+
+class Writers:
+    """The evidence of which files one attempt's processes wrote (above): its process
+    tree, the files they hold open for writing, its container's hostname, its lifetime
+    and folders. `neighbours()` (set by the runner) -> the Writers of this node's other
+    attempts that may matter: running, or ended since this one started."""
+
+    def __init__(self, att):
+        self.att = att
+        self.start_s = att.received_at / 1000.0      # before it, none of its processes ran
+        self.ended_s = None
+        self.hostname = container_hostname(att.job_id, att.attempt) if att.container else None
+        self.pids = {}            # pid -> create_time of every process of the tree seen
+        self.sid = None           # the job's session (the shim starts it with setsid)
+        self.open = set()         # real paths its processes held open for writing
+        self.sampled = 0.0        # monotonic time of the last sample
+        self.neighbours = lambda: []
+        roots = {att.resolve(r) for r in (att.working_dir, att.tb_dir, att.watch_dir)}
+        self.roots = tuple(sorted(_real(r) for r in roots if r))
+
+    def sharers(self, real):
+        """Job ids of the neighbours whose folders hold `real` (for the warnings)."""
+        return sorted({n.att.job_id for n in self.neighbours()
+                       if n is not self and n.covers(real)})
+
+    def covers(self, real):
+        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in self.roots)
+
+    def alive_during(self, first_s, last_s, slack_s):
+        end = self.ended_s if self.ended_s is not None else float("inf")
+        return self.start_s - slack_s <= last_s and first_s <= end + slack_s
+
+    def sample(self, force=False, if_shared=False):
+        """Refresh the tree and its open files (at most every WRITERS_FRESH_S); with
+        if_shared, only while a neighbour shares a folder (the runner's loop: evidence
+        gathered while the processes live, for the files decided later)."""
+        now = time.monotonic()
+        if self.ended_s is not None or (not force and now - self.sampled < WRITERS_FRESH_S):
+            return
+        if if_shared and not self.shared():
+            self.sampled = now
+            return
+        self.sampled = now
+        info = self.att.pid() or {}
+        pid = info.get("pid")
+        if not pid or self.att.container or self.att.slurm_id is not None:
+            return            # a Slurm or container job's processes are not ours to see
+        self.sid = pid
+        # the command's own pid is known from its pid file even once it has exited (a
+        # short job can end before any sample): a name that says it is evidence
+        self.pids.setdefault(pid, info.get("create_time"))
+        for p, ct in list(self.pids.items()):
+            if not proc_alive(p, ct):
+                continue
+            try:
+                for c in psutil.Process(p).children(recursive=True):
+                    self.pids[c.pid] = c.create_time()
+            except psutil.NoSuchProcess:
+                continue
+            self.open |= _written_files(p, self.roots)
+
+    def shared(self):
+        """Whether a neighbour's folders overlap this attempt's (then samples matter)."""
+        return any(n is not self and any(n.covers(r) or self.covers(r) for r in n.roots)
+                   for n in self.neighbours())
+
+    def owner(self, path, mtime_s, name_facts=(None, None, None)):
+        """-> OWN, OTHER or UNKNOWN for the file at `path` last written at `mtime_s`."""
+        real = _real(path)
+        born_s, host, pid = name_facts
+        first_s = min(born_s, mtime_s) if born_s is not None else mtime_s
+        # a name's time is whole seconds; an mtime is the kernel's coarse clock
+        slack_s = WRITERS_SLACK_S if born_s is not None else MTIME_SLACK_S
+        if mtime_s < self.start_s - MTIME_SLACK_S or (
+                born_s is not None and born_s + WRITERS_SLACK_S < self.start_s):
+            return OTHER          # it was there before this attempt started
+        others = [n for n in self.neighbours() if n is not self]
+        sharing = [n for n in others
+                   if n.covers(real) and n.alive_during(first_s, mtime_s, slack_s)]
+        if host is not None:
+            if self.hostname is not None and host == self.hostname:
+                return OWN
+            if any(n.hostname == host for n in others):
+                return OTHER
+        if not sharing:
+            return OWN            # nobody else could have written it
+        self.sample()
+        for n in sharing:
+            n.sample()
+        if real in self.open:
+            return OWN
+        if any(real in n.open for n in sharing):
+            return OTHER
+        if host == LOCAL_HOST and pid is not None:
+            if pid in self.pids or (self.sid is not None
+                                    and _session_of(pid) == self.sid):
+                return OWN
+            if any(pid in n.pids for n in sharing):
+                return OTHER
+        return UNKNOWN
+
+
+def _real(path):
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError):
+        return os.path.abspath(path)
+
+
+def _session_of(pid):
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _written_files(pid, roots):
+    """Real paths under `roots` that process `pid` holds open for writing (Linux /proc;
+    elsewhere, or for a process of another user, nothing)."""
+    out = set()
+    base = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return out
+    for fd in fds[:WRITERS_MAX_FDS]:
+        try:
+            target = os.readlink(f"{base}/{fd}")
+        except OSError:
+            continue
+        if not target.startswith("/") or not any(
+                target == r or target.startswith(r.rstrip("/") + "/") for r in roots):
+            continue
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next((int(line.split()[1], 8) for line in f
+                              if line.startswith("flags:")), 0)
+        except (OSError, ValueError, IndexError):
+            continue
+        if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+            out.add(target)
+    return out
+
+
+def content_fingerprint(path, size):
+    """A cheap fingerprint of a checkpoint file's bytes: its size and its first and last
+    64 KiB (a rewrite of a checkpoint changes both ends: header and tensors); for a
+    checkpoint directory, None (its signature says what it holds)."""
+    import hashlib
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            h.update(f.read(65536))
+            if size > 131072:
+                f.seek(size - 65536)
+            h.update(f.read(65536))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
 class TensorBoardHook:
     """Tails the attempt's TensorBoard event files (TBTailer) into `metrics` records."""
 
@@ -2127,6 +2330,7 @@ class TensorBoardHook:
         self.tailer = None
         self.warned = False
         self.refused = 0       # points left out (see _fit)
+        self.unattributed = set()   # event files said to be skipped (one event each)
 
     def poll(self, emit, final=False):
         """-> True when a poll returned a full batch (more is waiting)."""
@@ -2143,9 +2347,11 @@ class TensorBoardHook:
                                 "%s; give the job a tb_dir of its own", att.job_id,
                                 att.attempt, root, why)
                 return False
-            self.tailer = TBTailer(root, att.received_at / 1000.0, dict(self.offsets))
+            self.tailer = TBTailer(root, att.received_at / 1000.0, dict(self.offsets),
+                                   owner=att.writers.owner)
         # After the exit: look for files written since the last walk.
         points = self._fit(self.tailer.poll(rescan=final))
+        self._say_unattributed(emit, final)
         n = TB_RECORD_POINTS
         for i in range(0, len(points), n):
             chunk = [[k, int(s), float(v), int(ts)] for k, s, v, ts in points[i:i + n]]
@@ -2157,6 +2363,27 @@ class TensorBoardHook:
                  len(chunk) * 40)
         self.offsets = dict(self.tailer.offsets)
         return len(points) >= self.tailer.max_points
+
+    def _say_unattributed(self, emit, final):
+        """One warning event per event file left unread because nobody knows whose it is
+        (Writers): at the attempt's end, or once it has waited TB_UNDECIDED_S."""
+        att, now = self.att, time.monotonic()
+        for rel, since in sorted(self.tailer.undecided.items()):
+            if rel in self.unattributed or not (final or now - since >= TB_UNDECIDED_S):
+                continue
+            self.unattributed.add(rel)
+            path = os.path.join(self.tailer.root, rel)
+            jobs = att.writers.sharers(_real(path))
+            emit("event", {
+                "type": "FILE_NOT_ATTRIBUTED", "severity": "warning", "run_id": att.run_id,
+                "job_id": att.job_id,
+                "message": f"{path} was not read for run {att.run_id}: "
+                           f"job{'s' if len(jobs) != 1 else ''} "
+                           f"{', '.join(map(str, jobs)) or '(ended)'} ran in the same "
+                           "folder and nothing shows which process wrote it; give each job "
+                           "a TensorBoard folder of its own (--tb-dir tb/{job})",
+                "data": {"path": path, "folder": self.tailer.root, "jobs": jobs}},
+                None, 0)
 
     def _fit(self, points):
         """The points the server takes; one it would refuse (a tag over 512 characters,
@@ -2248,6 +2475,7 @@ class CheckpointHook:
         self.next_scan = 0.0
         self.skipped = None   # why the watch dir is not scanned (logged once per reason)
         self.truncated = False
+        self.shared = None    # the event said the folder is shared (its path), once
 
     def load(self, done):
         self.done = dict(done)
@@ -2267,18 +2495,46 @@ class CheckpointHook:
         took = time.process_time() - began
         # at most 1 % of a core, whatever the tree
         self.next_scan = time.monotonic() + max(self.interval_s, 100 * took)
+        unknown = []
         for path in sorted(found):
-            sig, fmt, size = found[path]
+            sig, fmt, size, mtime_ns = found[path]
             stable = self.seen.get(path, (None,))[0] == sig
             if (stable or final) and self.done.get(path) != sig:
+                # decided once per version of the file: a rewrite is looked at again
                 self.done[path] = sig
+                who = att.writers.owner(path, mtime_ns / 1e9)
+                if who != OWN:
+                    if who == UNKNOWN:
+                        unknown.append(path)
+                    continue
                 step, epoch = checkpoint_step(os.path.basename(path))
                 emit("checkpoint", {
                     "run_id": att.run_id, "path": path, "step": step, "epoch": epoch,
                     "step_source": "name" if step is not None else "latest",
-                    "size_bytes": size, "fingerprint": sig, "format": fmt},
+                    "size_bytes": size, "fingerprint": sig, "format": fmt,
+                    "mtime_ns": mtime_ns,
+                    "content": sig if fmt == "hf" else content_fingerprint(path, size)},
                     {"key": att.key, "ckpt": dict(self.done)}, 0)
         self.seen = found
+        if unknown and self.shared is None:
+            self._say_shared(emit, root, unknown)
+
+    def _say_shared(self, emit, root, unknown):
+        """One warning event: checkpoints under a folder another running job watches too
+        were not registered, since nothing shows which job wrote them."""
+        att = self.att
+        self.shared = root
+        jobs = att.writers.sharers(_real(unknown[0]))
+        emit("event", {
+            "type": "CHECKPOINT_FOLDER_SHARED", "severity": "warning", "run_id": att.run_id,
+            "job_id": att.job_id,
+            "message": f"{len(unknown)} checkpoint{'s' if len(unknown) != 1 else ''} under "
+                       f"{root} (e.g. {os.path.basename(unknown[0])}) not registered for "
+                       f"run {att.run_id}: job{'s' if len(jobs) != 1 else ''} "
+                       f"{', '.join(map(str, jobs)) or '(ended)'} watch the same folder "
+                       "and nothing shows which job wrote them; give each job a folder of "
+                       "its own (--watch checkpoints/{run} and the same in its command)",
+            "data": {"folder": root, "files": unknown[:20], "jobs": jobs}}, None, 0)
 
     def _root(self):
         att = self.att
@@ -2306,7 +2562,7 @@ class CheckpointHook:
         return None if why else root
 
     def scan(self, root):
-        """-> {absolute path: (signature, format, size)} of the checkpoints under root,
+        """-> {absolute path: (signature, format, size, mtime_ns)} of the checkpoints under root,
         bounded in depth and entries."""
         found, budget = {}, [CKPT_MAX_ENTRIES]
         formats = _CKPT_FORMATS
@@ -2335,12 +2591,12 @@ class CheckpointHook:
                             if fmt and name[0] != "." and e.is_file(follow_symlinks=False):
                                 st = e.stat(follow_symlinks=False)
                                 found[e.path] = (f"{st.st_size}-{st.st_mtime_ns}", fmt,
-                                                 st.st_size)
+                                                 st.st_size, st.st_mtime_ns)
                             continue
                         fmt = checkpoint_format(name, True)
                         if fmt == "hf":
-                            sig, size = self._dir_signature(e.path)
-                            found[e.path] = (sig, fmt, size)
+                            sig, size, newest = self._dir_signature(e.path)
+                            found[e.path] = (sig, fmt, size, newest)
                         else:
                             # HF writes tmp-checkpoint-N/ and renames it when complete
                             if depth < CKPT_MAX_DEPTH and not e.name.startswith(".") \
@@ -2352,7 +2608,8 @@ class CheckpointHook:
         return found
 
     def _dir_signature(self, path):
-        """(count-size-newest mtime, total size) of the files in a checkpoint directory."""
+        """(count-size-newest mtime, total size, newest mtime) of the files in a checkpoint
+        directory."""
         count = size = newest = 0
         stack, budget = [path], CKPT_DIR_MAX_ENTRIES
         while stack and budget > 0:
@@ -2375,7 +2632,7 @@ class CheckpointHook:
                             newest = max(newest, st.st_mtime_ns)
                     except OSError:
                         continue
-        return f"dir:{count}-{size}-{newest}", size
+        return f"dir:{count}-{size}-{newest}", size, newest
 
 
 # ---------------------------------------------------------------------------------------
@@ -2509,6 +2766,7 @@ class Reporter:
         # out once fsynced), sync lists the attempt as ended and the server ends it LOST,
         # to be retried.
         write_json_atomic(att.file("reported"), rec, sync=False)
+        att.writers.ended_s = time.time()
         # the marker now says how it ended (adopt reads it): state.json need not carry this
         # attempt, so its size stays that of the attempts still running
         self.outbox.forget(att.key)
@@ -2555,6 +2813,7 @@ class Runner(Worker):
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
         self.view = {}                     # key -> facts of an attempt not finally reported
         self.active = {}                   # key -> Attempt (the runner thread's own)
+        self._writers = []                 # Writers of the attempts that may matter (below)
         self._next_retention = 0.0
         self._in_commands = False
         self._look_all = False
@@ -2619,6 +2878,8 @@ class Runner(Worker):
     def _new_attempt(self, job_id, attempt, path, spec=None):
         att = Attempt(job_id, attempt, path, spec)
         att.ckpt.interval_s = self.ckpt_interval_s
+        att.writers.neighbours = self._writers_near
+        self._writers.append(att.writers)
         att.next_hook = time.monotonic() + min(FIRST_HOOK_S, self.hook_interval_s)
         return att
 
@@ -2850,6 +3111,8 @@ class Runner(Worker):
                 room = self.reporter.room(att)
         # hooks once the command runs: a Slurm job may wait in Slurm's queue for hours,
         # and a walk of its working dir for TensorBoard files is wasted until it starts
+        if not att.final:
+            att.writers.sample(if_shared=True)
         if now >= att.next_hook and room > 0 and att.run_id is not None and att.pid():
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
@@ -2879,6 +3142,15 @@ class Runner(Worker):
             return now + BACKLOG_WAIT_S   # the server has a backlog to ack first
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
+
+    def _writers_near(self):
+        """The Writers of every attempt that may have written a file a running one finds:
+        the running ones, and those that ended after the oldest running one started."""
+        running = [a.writers.start_s for a in self.active.values() if not a.final]
+        oldest = min(running, default=float("inf")) - WRITERS_SLACK_S
+        self._writers = [w for w in self._writers
+                         if w.ended_s is None or w.ended_s >= oldest]
+        return self._writers
 
     def _on_ack(self):
         if self.reporter.held_back:
@@ -3396,10 +3668,16 @@ class TBTailer:
     """
 
     def __init__(self, root_dir, started_after_ts=None, offsets=None, *, rescan_s=TB_RESCAN_S,
-                 max_points=TB_MAX_POINTS):
+                 max_points=TB_MAX_POINTS, owner=None):
         _tb_load()
         self.root = os.path.abspath(root_dir)
         self.started_after_ts = started_after_ts
+        # owner(path, mtime_s, name facts) -> OWN, OTHER or UNKNOWN (Writers.owner): a file
+        # is read only when it is OWN; an OTHER is never looked at again, an UNKNOWN at
+        # each walk (evidence may come: its writer seen holding it open)
+        self.owner = owner
+        self.foreign = set()       # rels of files another process wrote
+        self.undecided = {}        # rel -> monotonic time it was first left undecided
         self.rescan_s = rescan_s
         # A long backlog (restart, or a big file from an earlier attempt of the same run) is
         # handed out over several polls rather than all in memory at once.
@@ -3474,13 +3752,24 @@ class TBTailer:
 
     def _consider(self, entry):
         rel = os.path.relpath(entry.path, self.root).replace(os.sep, "/")
-        if rel in self._files:
+        if rel in self._files or rel in self.foreign:
             return
         if rel in self._resume:
-            offset = self._resume.pop(rel)
-        elif self.started_after_ts is not None and entry.stat().st_mtime < self.started_after_ts:
-            return   # from an earlier launch; looked at again if it is ever written to
+            offset = self._resume.pop(rel)   # read for this attempt before a restart
         else:
+            mtime = entry.stat().st_mtime
+            if self.started_after_ts is not None and mtime < self.started_after_ts:
+                return   # from an earlier launch; looked at again if it is ever written to
+            if self.owner is not None:
+                who = self.owner(entry.path, mtime, tb_name_facts(entry.name))
+                if who == OTHER:
+                    self.foreign.add(rel)
+                    self.undecided.pop(rel, None)
+                    return
+                if who == UNKNOWN:
+                    self.undecided.setdefault(rel, time.monotonic())
+                    return
+                self.undecided.pop(rel, None)
             offset = 0
         self._files[rel] = _TBFile(entry.path, rel, offset)
 

@@ -6,7 +6,7 @@ docs/protocol.md `require_paths`)."""
 import posixpath
 
 from .db import checkpoints, jobs, runs
-from .errors import BadRequest
+from .errors import BadRequest, Conflict
 from .lifecycle import LimitRefused
 
 
@@ -14,6 +14,9 @@ def queue(db, lifecycle, ckpt, command=None, working_dir=None, gpus=None, cpu_on
           priority=None, time_limit_s=None, preemptible=None):
     """Submit the EVALUATE job of checkpoint `ckpt` (a dict) and record the evaluation.
     Returns the evaluation. Raises BadRequest naming the missing piece."""
+    replaced = checkpoints.replaced_sentence(ckpt)
+    if replaced:
+        raise Conflict(replaced)
     run = runs.get(db, ckpt["run_id"])
     job = jobs.get(db, run["job_id"]) if run["job_id"] else None
     if command is None:

@@ -466,7 +466,9 @@ class Gateway:
                     step=int(step) if step is not None else None, step_source="name",
                     epoch=float(rec["epoch"]) if rec.get("epoch") is not None else None,
                     size_bytes=rec.get("size_bytes"), fingerprint=rec.get("fingerprint"),
-                    fmt=rec.get("format"), source="watcher", ts=ts)
+                    fmt=rec.get("format"), source="watcher", ts=ts,
+                    mtime_ns=_int_or_none(rec.get("mtime_ns")),
+                    content=str(rec["content"])[:128] if rec.get("content") else None)
             return False
         if kind == "checkpoint_deleted":      # retention (gpuplane/retention.py)
             ckpt_id, run_id = int(rec["checkpoint_id"]), int(rec["run_id"])
@@ -539,6 +541,10 @@ class Gateway:
                     commands.append(cancel_message(job_id, attempt))
             self.lifecycle.node_synced(node, t=t)
         return commands
+
+
+def _int_or_none(v):
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _slurm_id(v):

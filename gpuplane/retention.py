@@ -61,7 +61,15 @@ def plan(ckpts, values, d, policy, working_dir, key=None):
     live = [c for c in ckpts if not c.get("deleted_at")]
     out = {}
     for c in live:
-        if not inside(c["path"], working_dir):
+        if c.get("replaced_at"):
+            # its file holds another run's bytes now: deleting it through this record
+            # would delete that run's checkpoint
+            out[c["id"]] = (True, "replaced: its file now holds other bytes; never deleted "
+                                  "through this record")
+        elif c.get("held_elsewhere"):
+            out[c["id"]] = (True, f"the same file is run {c['held_elsewhere']}'s live "
+                                  "checkpoint: never deleted for this run")
+        elif not inside(c["path"], working_dir):
             out[c["id"]] = (True, "outside the job's working dir: never deleted")
         elif c.get("pinned"):
             out[c["id"]] = (True, "pinned")

@@ -484,6 +484,11 @@ def test_one_long_tag_is_left_out_and_the_rest_of_the_record_sent(tmp_path, capl
 
         def resolve(self, rel):
             return rel
+
+        class writers:
+            @staticmethod
+            def owner(*_):
+                return tb.OWN
     p = new_event_file(tmp_path / "run")
     for s in range(100):
         append(p, record(event(s, loss=1.0 / (s + 1), **{"t" * 600: 0.5})))

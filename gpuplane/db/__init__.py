@@ -477,12 +477,30 @@ ALTER TABLE projects ADD COLUMN max_time_limit_s INTEGER;
 ALTER TABLE projects ADD COLUMN preemptible INTEGER;
 """
 
+# Whose data is it (docs/checkpoints.md, "A checkpoint is its content"): a checkpoint
+# records the file's mtime and a content fingerprint when registered; a rewrite of the
+# file marks the old record replaced (kept, never re-pointed) and by which record or why.
+# A job records whether its submitter named its project / experiment (an explicit name
+# wins over the script's run.init; none given, run.init may name it for the job too), and
+# a run keeps what its script's run.init asked for where the job's names won.
+SCHEMA_V18_ATTRIBUTION = """
+ALTER TABLE checkpoints ADD COLUMN mtime_ns INTEGER;
+ALTER TABLE checkpoints ADD COLUMN content TEXT;
+ALTER TABLE checkpoints ADD COLUMN replaced_at INTEGER;
+ALTER TABLE checkpoints ADD COLUMN replaced_by INTEGER;
+ALTER TABLE checkpoints ADD COLUMN replaced_why TEXT;
+CREATE INDEX checkpoints_path ON checkpoints(path);
+ALTER TABLE jobs ADD COLUMN project_given INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE jobs ADD COLUMN experiment_given INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE runs ADD COLUMN init_wish TEXT;
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
               SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION,
               SCHEMA_V15_EXPERIMENT_RETENTION, SCHEMA_V16_QUEUE_ORDER,
-              SCHEMA_V17_TIME_LIMITS]
+              SCHEMA_V17_TIME_LIMITS, SCHEMA_V18_ATTRIBUTION]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

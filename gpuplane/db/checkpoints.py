@@ -53,11 +53,15 @@ MAX_PER_RUN = 10_000
 
 
 def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
-             size_bytes=None, fingerprint=None, fmt=None, source="sdk", ts=None):
+             size_bytes=None, fingerprint=None, fmt=None, source="sdk", ts=None,
+             mtime_ns=None, content=None):
     """Insert or update the checkpoint (run_id, path) inside the caller's transaction.
 
     `path` must be absolute. `step_source` is 'given' (the SDK said so) or 'name' (parsed
-    from the file name); a None step becomes the run's latest step. Returns (id, created).
+    from the file name); a None step becomes the run's latest step. `mtime_ns` and
+    `content` (the agent's fingerprint of the bytes) say which version of the file this
+    is: another run's live record of the same file on the same node that held other bytes
+    is marked replaced by this one (see replace_others). Returns (id, created).
     """
     ts = ts or now_ms()
     if step is None:
@@ -76,22 +80,67 @@ def register(conn, run_id, path, *, step=None, step_source=None, epoch=None,
                                 f"{MAX_PER_RUN} (register fewer, or prune old ones)")
         cur = conn.execute(
             "INSERT INTO checkpoints (run_id, path, step, step_source, epoch, size_bytes,"
-            " fingerprint, format, source, created_at, updated_at)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            " fingerprint, format, source, created_at, updated_at, mtime_ns, content)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (run_id, path, step, step_source, epoch, size_bytes, fingerprint, fmt, source,
-             ts, ts))
+             ts, ts, mtime_ns, content))
+        replace_others(conn, cur.lastrowid, run_id, path, content, mtime_ns, ts)
         return cur.lastrowid, True
     # the same or a surer source replaces the step (a rewritten last.ckpt moves on); a
     # step parsed from the name never replaces one the SDK gave
     if STEP_RANK[step_source] >= STEP_RANK.get(old["step_source"], 0):
         conn.execute("UPDATE checkpoints SET step = ?, step_source = ? WHERE id = ?",
                      (step, step_source, old["id"]))
+    # the run's own rewrite (last.ckpt each epoch) moves its record on: the bytes are its
+    # run's newest, and the record is live again if another run's write had replaced it
     conn.execute(
         "UPDATE checkpoints SET epoch = COALESCE(?, epoch), size_bytes = COALESCE(?, size_bytes),"
         " fingerprint = COALESCE(?, fingerprint), format = COALESCE(format, ?),"
+        " mtime_ns = COALESCE(?, mtime_ns), content = COALESCE(?, content),"
+        " replaced_at = CASE WHEN ? IS NULL THEN replaced_at END,"
+        " replaced_by = CASE WHEN ? IS NULL THEN replaced_by END,"
+        " replaced_why = CASE WHEN ? IS NULL THEN replaced_why END,"
         " updated_at = ? WHERE id = ?",
-        (epoch, size_bytes, fingerprint, fmt, ts, old["id"]))
+        (epoch, size_bytes, fingerprint, fmt, mtime_ns, content, content, content, content,
+         ts, old["id"]))
+    replace_others(conn, old["id"], run_id, path, content, mtime_ns, ts)
     return old["id"], False
+
+
+def replace_others(conn, ckpt_id, run_id, path, content, mtime_ns, ts):
+    """Other runs' live records of the same file on the same node whose bytes differ
+    from the version just registered are marked replaced by `ckpt_id` (kept, never
+    re-pointed): evaluating them would evaluate someone else's weights. Without a
+    content fingerprint (an SDK registration) nothing is known to differ."""
+    if content is None and mtime_ns is None:
+        return 0
+    cur = conn.execute(
+        "UPDATE checkpoints SET replaced_at = ?, replaced_by = ?, replaced_why = ?"
+        " WHERE path = ? AND run_id != ? AND replaced_at IS NULL AND deleted_at IS NULL"
+        " AND (CASE WHEN ? IS NOT NULL THEN content IS NOT ?"
+        "           ELSE mtime_ns IS NOT ? END)"
+        " AND run_id IN (SELECT id FROM runs WHERE node IS"
+        "                (SELECT node FROM runs WHERE id = ?))",
+        (ts, ckpt_id, f"the file was rewritten by run {run_id} (checkpoint {ckpt_id})",
+         path, run_id, content, content, mtime_ns, run_id))
+    return cur.rowcount
+
+
+def mark_replaced(conn, checkpoint_id, why, ts=None):
+    """The agent found the file's bytes changed since they were registered (an evaluation
+    or a deletion refused): the record is replaced, with the agent's sentence."""
+    conn.execute("UPDATE checkpoints SET replaced_at = ?, replaced_why = ? WHERE id = ?"
+                 " AND replaced_at IS NULL", (ts or now_ms(), why[:500], checkpoint_id))
+
+
+def replaced_sentence(ckpt):
+    """Why a replaced checkpoint is refused (evaluate, recommend, retention), or None."""
+    if not ckpt.get("replaced_at"):
+        return None
+    why = ckpt.get("replaced_why") or "the file was rewritten after it was registered"
+    return (f"checkpoint {ckpt['id']} was replaced: {why}, so its file no longer holds "
+            f"the weights of run {ckpt['run_id']}; pick a live checkpoint "
+            f"(`gpuplane ckpt list --run {ckpt['run_id']}`)")
 
 
 def _row(r):
@@ -111,6 +160,7 @@ def resume_candidates(conn, job_id, attempt):
     rows = conn.execute(
         "SELECT c.id, c.path, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id"
         " WHERE r.job_id = ? AND r.attempt < ? AND c.deleted_at IS NULL"
+        " AND c.replaced_at IS NULL"
         " ORDER BY c.step IS NULL, c.step DESC, c.updated_at DESC, c.id DESC LIMIT ?",
         (job_id, attempt, RESUME_CANDIDATES)).fetchall()
     return [{"checkpoint_id": r[0], "path": r[1], "step": r[2]} for r in rows]
@@ -121,7 +171,14 @@ def of_job_runs(db, job_id):
     an evaluation, by run then step."""
     return [dict(r) for r in db.query(
         "SELECT c.*, r.node, r.attempt, EXISTS (SELECT 1 FROM evaluations e"
-        " WHERE e.checkpoint_id = c.id) AS evaluated FROM checkpoints c"
+        " WHERE e.checkpoint_id = c.id) AS evaluated,"
+        # another job's run holds a live record of the same file on the same node:
+        # retention never deletes it for this job (retention.plan)
+        " (SELECT o.run_id FROM checkpoints o JOIN runs orun ON orun.id = o.run_id"
+        "  WHERE o.path = c.path AND o.run_id != c.run_id AND orun.node IS r.node"
+        "  AND orun.job_id IS NOT r.job_id AND o.replaced_at IS NULL"
+        "  AND o.deleted_at IS NULL LIMIT 1) AS held_elsewhere"
+        " FROM checkpoints c"
         " JOIN runs r ON r.id = c.run_id WHERE r.job_id = ? ORDER BY c.run_id, c.step, c.id",
         (job_id,))]
 
@@ -303,6 +360,7 @@ SELECT c.id, c.run_id, c.step, rk.key_id, p.step, p.value,
            (SELECT step FROM points WHERE key_id = rk.key_id AND step > c.step
             ORDER BY step LIMIT 1) END
 FROM rk JOIN checkpoints c ON c.run_id = rk.run_id AND c.deleted_at IS NULL
+    AND c.replaced_at IS NULL
 LEFT JOIN points p ON p.key_id = rk.key_id AND p.step = c.step
 """
 

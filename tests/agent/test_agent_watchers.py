@@ -93,7 +93,7 @@ def test_checkpoint_layouts_of_the_frameworks(tmp_path):
     (root / "hf" / "tmp-checkpoint-1500" / "model.safetensors").write_bytes(b"z")
     att = agent.Attempt(1, 1, str(tmp_path))
     found = agent.CheckpointHook(att).scan(str(root))
-    rel = {os.path.relpath(p, root): (fmt, size) for p, (_sig, fmt, size) in found.items()}
+    rel = {os.path.relpath(p, root): (fmt, size) for p, (_sig, fmt, size, _m) in found.items()}
     assert rel == {
         LIGHTNING[0]: ("lightning", 10), LIGHTNING[1]: ("lightning", 10),
         LIGHTNING[2]: ("lightning", 10), LIGHTNING[3]: ("lightning", 10),
