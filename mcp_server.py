@@ -200,6 +200,8 @@ class WaitManyOut(Out):
 
 
 class ControlOut(Out):
+    warnings: list[str] = Field([], description="what the server warned about (a folder "
+                                "another job uses too, and how to give each its own)")
     next_actions: list[NextAction] = []
 
 
@@ -254,6 +256,9 @@ class SweepOut(Out):
     stop_reason: str | None = None
     best: dict[str, Any] | None = Field(None, description="the best trial so far: trial, "
                                         "job_id, run_id, value, step, params")
+    best_missing: str | None = Field(None, description="why there is no best although "
+                                     "trials ran (e.g. no trial logged the metric; the keys "
+                                     "they did log)")
     trials_detail: list[dict[str, Any]] = Field(
         [], description="per trial: number, params, state (PENDING, QUEUED, RUNNING, "
                         "SUCCEEDED, FAILED, EARLY_STOPPED, ...), job_id, run_id, value (its "
@@ -749,10 +754,13 @@ class SubmitIn(In):
     env: Annotated[dict[str, str] | None, Field(description="extra environment")] = None
     project: Annotated[str | None, Field(description="project to file the run under")] = None
     experiment: Annotated[str | None, Field(description="experiment within the project")] = None
-    tb_dir: Annotated[str | None, Field(description="TensorBoard log dir to tail "
-                                                    "(relative to working_dir)")] = None
-    watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
-                                                       "(relative to working_dir)")] = None
+    tb_dir: Annotated[str | None, Field(
+        description="TensorBoard log dir to tail (relative to working_dir); give each job "
+                    "its own, e.g. 'tb/{run}' with the same in the command ({job}, "
+                    "{attempt}, {run} are filled at start)")] = None
+    watch_dir: Annotated[str | None, Field(
+        description="checkpoint dir to watch (relative to working_dir), e.g. "
+                    "'checkpoints/{run}' with the same in the command")] = None
     eval_command: Annotated[list[str] | str | None, Field(
         description="how to evaluate one of its checkpoints, e.g. ['python', 'eval.py']; "
                     "evaluate_checkpoint runs it with GPUCTL_CHECKPOINT_PATH set")] = None
@@ -897,8 +905,16 @@ class CreateSweepIn(In):
     env: Annotated[dict[str, str] | None, Field(description="extra environment")] = None
     project: Annotated[str | None, Field(description="project to file the runs under")] = None
     experiment: Annotated[str | None, Field(description="experiment of the trials")] = None
-    watch_dir: Annotated[str | None, Field(description="checkpoint dir to watch "
-                                                       "(relative to working_dir)")] = None
+    tb_dir: Annotated[str | None, Field(
+        description="each trial's TensorBoard dir (relative to working_dir), e.g. "
+                    "'tb/{trial}' with the same in the command: trials in one folder "
+                    "otherwise cannot be told apart")] = None
+    watch_dir: Annotated[str | None, Field(
+        description="each trial's checkpoint dir (relative to working_dir), e.g. "
+                    "'checkpoints/{trial}' with the same in the command")] = None
+    eval_command: Annotated[list[str] | str | None, Field(
+        description="how to evaluate one trial's checkpoint, e.g. ['python', 'eval.py'] "
+                    "(run with GPUCTL_CHECKPOINT_PATH set)")] = None
     time_limit: Annotated[str | None, Field(
         description="each trial's time limit, e.g. '30m' (default: the project's)")] = None
     preemptible: Annotated[bool | None, Field(

@@ -20,7 +20,7 @@ from simple_websocket import ConnectionClosed
 from .auth import requires
 from .streams import clear_timeout
 from .errors import ApiError
-from . import metricwire, retention, states, timelimit
+from . import metricwire, placeholders, retention, states, timelimit
 from .db import checkpoints, events, jobs, logs, metrics, nodes, now_ms, runs, tokens
 
 log = logging.getLogger(__name__)
@@ -107,11 +107,14 @@ class Gateway:
                                 "working_dir": working_dir, "files": files})
 
     def start_message(self, job, ingest_token):
+        # {job}, {attempt} and {run} in the command and folders (gpuplane/placeholders.py)
+        names = {"job": job["id"], "attempt": job["attempt"], "run": job["run_id"]}
         return {"type": "start", "job_id": job["id"], "attempt": job["attempt"],
-                "run_id": job["run_id"], "command": job["command"],
+                "run_id": job["run_id"], "command": placeholders.fill(job["command"], names),
                 "working_dir": job["working_dir"], "env": job["env"],
                 "gpus": job["gpu_indices"] or [], "cpu_only": job["cpu_only"],
-                "tb_dir": job["tb_dir"], "watch_dir": job["watch_dir"],
+                "tb_dir": placeholders.fill(job["tb_dir"], names),
+                "watch_dir": placeholders.fill(job["watch_dir"], names),
                 "image": job.get("image"),
                 # what a Slurm agent asks sbatch for (docs/slurm.md); a local one runs
                 # on the cards in `gpus`

@@ -1,12 +1,13 @@
 """Placeholders a job's command and folders may name, filled when its attempt is made.
 
 `{job}`, `{attempt}` and `{run}` are known only when an attempt is dispatched (the run is
-made then), so the lifecycle fills them into the start message: the command's arguments,
-`tb_dir`, `watch_dir` and the evaluation command. A sweep fills its own names (`{trial}`,
-`{sweep_id}` and its parameters) when it makes a trial's job, and leaves these three for
-the lifecycle. A placeholder is `{name}` with `name` an identifier; `{{` and `}}` are
-literal braces, and a shell's `${name}` is left alone. An unknown name is refused at
-submit, naming the known ones, so a typo never runs as a literal folder name.
+made then), so the start message fills them (gateway.start_message): the command's
+arguments, `tb_dir` and `watch_dir`; the job record keeps what was written. A sweep fills
+its own names (`{trial}`, `{sweep_id}` and its parameters) when it makes a trial's job,
+and leaves these three for the start. A placeholder is `{name}` with `name` an
+identifier; a shell's `${name}` and `{{name}}` are left alone, and so is every other
+brace of a command (awk, Go templates, f-strings). In `tb_dir` and `watch_dir` an unknown
+name is refused at submit, naming the known ones, so a typo never becomes a folder name.
 """
 import re
 
@@ -36,13 +37,12 @@ def check(text, known=JOB, where="the command"):
     if unknown:
         listed = ", ".join("{" + k + "}" for k in known)
         raise PlaceholderError(
-            f"unknown placeholder {{{unknown[0]}}} in {where}; the known ones are {listed} "
-            "(write {{ and }} for literal braces)")
+            f"unknown placeholder {{{unknown[0]}}} in {where}; the known ones are {listed}")
 
 
 def fill(text, values):
-    """`text` (a string or a list of strings) with each `{name}` in `values` replaced; other
-    placeholders and escaped braces are kept as written (a later fill may know them)."""
+    """`text` (a string or a list of strings) with each `{name}` in `values` replaced; every
+    other brace is kept as written (a later fill may know the name)."""
     if text is None:
         return None
     if not isinstance(text, str):
@@ -55,13 +55,3 @@ def fill(text, values):
         return str(values[name]) if name in values else m.group(0)
 
     return _PLACEHOLDER.sub(one, text)
-
-
-def unescape(text):
-    """The last fill's step: `{{` and `}}` become single braces."""
-    if text is None:
-        return None
-    if not isinstance(text, str):
-        return [unescape(part) if isinstance(part, str) else part for part in text]
-    return _PLACEHOLDER.sub(lambda m: m.group(0)[0] if m.group(1) is None else m.group(0),
-                            text)

@@ -18,7 +18,7 @@ import random
 import shlex
 import string
 
-from . import pruning
+from . import placeholders, pruning
 from .lifecycle import LimitRefused
 from .db import metric_defs, metrics, sweeps as db_sweeps
 from .worker import Worker
@@ -31,6 +31,7 @@ FAIL_FAST = 3             # this many failed trials and none succeeded: stop lau
 DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform", "choice")
 RULES = ("median", "asha")
 BUILTINS = ("trial", "sweep_id")     # placeholders every template may use
+RESERVED = BUILTINS + placeholders.JOB
 
 
 class SweepError(ValueError):
@@ -54,9 +55,9 @@ def parse_parameters(params):
                          "low = 1e-4, high = 1e-1})")
     grid, rand = {}, {}
     for name, p in params.items():
-        if not isinstance(name, str) or not name.isidentifier() or name in BUILTINS:
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
             raise SweepError(f"parameter name {name!r} must be a plain identifier (letters, "
-                             f"digits, _) and not one of {', '.join(BUILTINS)}")
+                             f"digits, _) and not one of {', '.join(RESERVED)}")
         if isinstance(p, list):
             if not p:
                 raise SweepError(f"parameter {name!r} has an empty grid; give at least one "
@@ -97,7 +98,7 @@ def parse_parameters(params):
     return grid, rand
 
 
-def placeholders(template):
+def template_names(template):
     """The {names} a command template uses (a string or an argv list)."""
     parts = [template] if isinstance(template, str) else template
     names = set()
@@ -118,11 +119,19 @@ def placeholders(template):
 
 def fill(template, values):
     """The command of one trial: an argv list is filled part by part; a string is a shell
-    command, with each value quoted for the shell."""
+    command, with each value quoted for the shell. {job}, {attempt} and {run} stay for
+    the start message (gpuplane/placeholders.py)."""
+    later = {k: "{" + k + "}" for k in placeholders.JOB}
     if isinstance(template, str):
-        return ["/bin/sh", "-c", template.format(**{k: shlex.quote(_text(v))
-                                                     for k, v in values.items()})]
-    return [part.format(**{k: _text(v) for k, v in values.items()}) for part in template]
+        return ["/bin/sh", "-c", template.format(**later, **{
+            k: shlex.quote(_text(v)) for k, v in values.items()})]
+    return [part.format(**later, **{k: _text(v) for k, v in values.items()})
+            for part in template]
+
+
+def fill_folder(folder, values):
+    """A trial's tb_dir / watch_dir: the sweep's names filled, the job's kept."""
+    return placeholders.fill(folder, {k: _text(v) for k, v in values.items()})
 
 
 def _text(v):
@@ -232,9 +241,9 @@ def parse_spec(data):
         raise SweepError("'command' is required: a template string such as "
                          "\"python train.py --lr {lr} --bs {bs}\" (or an argv list)")
     grid, rand = parse_parameters(data.get("parameters"))
-    used = placeholders(template)
+    used = template_names(template)
     defined = set(grid) | set(rand)
-    unknown = used - defined - set(BUILTINS)
+    unknown = used - defined - set(BUILTINS) - set(placeholders.JOB)
     if unknown:
         raise SweepError(f"the command uses {', '.join('{' + n + '}' for n in sorted(unknown))}"
                          " but the sweep defines no such parameter; add it under "
@@ -301,6 +310,8 @@ def job_spec(sweep, trial):
     base.update(
         name=trial_name(sweep["name"], trial["number"], trial["params"]),
         command=fill(spec["template"], values),
+        tb_dir=fill_folder(base.get("tb_dir"), values),
+        watch_dir=fill_folder(base.get("watch_dir"), values),
         project=sweep["project"], experiment=sweep["experiment"],
         env={**base.get("env", {}), "GPUCTL_SWEEP_ID": str(sweep["id"]),
              "GPUCTL_TRIAL": str(trial["number"])},

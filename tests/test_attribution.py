@@ -12,14 +12,17 @@ import pytest
 
 from procs import wait_for
 
-TORCH_TRAIN = r"""
-import os, sys, time
-from torch.utils.tensorboard import SummaryWriter
-mark = float(sys.argv[1])
-open(f"ready-{sys.argv[1]}", "w").close()
-while not all(os.path.exists(f"ready-{m}") for m in sys.argv[2:]):
+TB_TRAIN = r"""
+import importlib, os, sys, time
+lib, mark, others = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+SummaryWriter = importlib.import_module(lib).SummaryWriter
+open(f"ready-{sys.argv[2]}", "w").close()
+while not all(os.path.exists(f"ready-{m}") for m in others):
     time.sleep(0.05)                 # both jobs write at once
-w = SummaryWriter()                  # torch's default: runs/<date>_<host> in the cwd
+if lib == "tensorboardX" and mark > 1:
+    time.sleep(1.2)                  # its names are whole seconds and carry no pid: two
+                                     # writers started in one second share one file
+w = SummaryWriter()                  # the default: runs/<date>_<host> in the cwd
 for step in range(30):
     w.add_scalar("train/loss", mark + step / 1000, step)
     w.flush()
@@ -68,14 +71,15 @@ def _events(api, run_id):
                    expect=200)["events"]
 
 
-def test_two_jobs_with_torchs_default_runs_folder_keep_their_own_curves(
-        live_server, agent_factory, tmp_path):
-    pytest.importorskip("torch")
+@pytest.mark.parametrize("lib", ["torch.utils.tensorboard", "tensorboardX"])
+def test_two_jobs_with_the_default_runs_folder_keep_their_own_curves(
+        live_server, agent_factory, tmp_path, lib):
+    pytest.importorskip(lib)
     pytest.importorskip("tensorboard")
     agent_factory(live_server, fake_gpus=1, cpu_slots=4)
     api = live_server.api
-    (tmp_path / "train.py").write_text(TORCH_TRAIN)
-    jobs = {mark: api.submit([sys.executable, "train.py", mark, "1", "2"], tmp_path,
+    (tmp_path / "train.py").write_text(TB_TRAIN)
+    jobs = {mark: api.submit([sys.executable, "train.py", lib, mark, "1", "2"], tmp_path,
                              cpu_only=True, name=f"job{mark}", project="attr")
             for mark in ("1", "2")}
     done = {m: api.wait_job(j["id"], timeout=180) for m, j in jobs.items()}
@@ -151,3 +155,103 @@ def test_a_checkpoint_rewritten_by_a_later_job_is_no_longer_the_earlier_runs(
     assert f"rewritten by run {second['run_id']}" in r["error"]["message"]
     rec = api.get("/api/v1/checkpoints:recommend?project=attr", expect=200)
     assert (rec["checkpoint"] or {}).get("checkpoint_id") != old["id"]
+
+
+def test_placeholders_give_each_job_a_folder_and_a_shared_one_is_warned(
+        live_server, agent_factory, tmp_path):
+    agent_factory(live_server, fake_gpus=1, cpu_slots=4)
+    api = live_server.api
+    # a typo in a folder's placeholder is refused, naming the known ones
+    r = api.post("/api/v1/jobs", {"command": ["true"], "working_dir": str(tmp_path),
+                                  "cpu_only": True, "tb_dir": "tb/{jbo}"}, expect=400)
+    assert "{jbo}" in r["error"]["message"] and "{run}" in r["error"]["message"]
+
+    first = api.submit(["true"], tmp_path, cpu_only=True, held=True, name="first",
+                       watch_dir="checkpoints")
+    assert not first.get("warnings")
+    second = api.submit(["true"], tmp_path, cpu_only=True, held=True, name="second",
+                        watch_dir="checkpoints")
+    (said,) = second["warnings"]
+    assert f"job {first['id']} (first)" in said and "checkpoint" in said and "{run}" in said
+    # a folder of its own per job: no warning, and the start fills it in
+    own = api.submit(["/bin/sh", "-c", "mkdir -p out/{run} && echo {job}/{attempt} > out/{run}/id"],
+                     tmp_path, cpu_only=True, name="own", tb_dir="out/{run}",
+                     watch_dir="out/{run}")
+    assert not own.get("warnings")
+    done = api.wait_job(own["id"], timeout=60)
+    assert done["state"] == "SUCCEEDED", api.get(f"/api/v1/jobs/{own['id']}/logs")
+    assert (tmp_path / "out" / str(done["run_id"]) / "id").read_text() == f"{own['id']}/1\n"
+    assert api.job(own["id"])["tb_dir"] == "out/{run}"        # the job keeps what was written
+
+
+SDK_INIT = r"""
+from gpuctl import run
+run.init(project="examples", experiment="cpu-logreg")
+run.log({"loss": 1.0}, step=1)
+run.finish()
+"""
+
+
+def test_a_job_and_its_run_agree_on_where_they_live(live_server, agent_factory, tmp_path):
+    agent_factory(live_server, fake_gpus=1, cpu_slots=4)
+    api = live_server.api
+    (tmp_path / "train.py").write_text(SDK_INIT)
+    # no project given: the script's run.init names it, for the job and its run alike
+    free = api.wait_job(api.submit([sys.executable, "train.py"], tmp_path, cpu_only=True,
+                                   name="free")["id"], timeout=60)
+    assert free["state"] == "SUCCEEDED", api.get(f"/api/v1/jobs/{free['id']}/logs")
+    run = api.get(f"/api/v1/runs/{free['run_id']}", expect=200)
+    assert (run["project"], run["experiment"]) == ("examples", "cpu-logreg")
+    assert (free["project"], free["experiment"]) == ("examples", "cpu-logreg")
+    # a project the submitter named wins; what run.init asked for is kept on the run
+    named = api.wait_job(api.submit([sys.executable, "train.py"], tmp_path, cpu_only=True,
+                                    name="named", project="mine")["id"], timeout=60)
+    run = api.get(f"/api/v1/runs/{named['run_id']}", expect=200)
+    assert run["project"] == named["project"] == "mine"
+    assert run["experiment"] == named["experiment"] == "cpu-logreg"
+    assert json.loads(run["init_wish"]) == {"project": "examples"}
+
+
+def test_a_sweeps_trials_in_one_folder_keep_their_own_curves_without_trial_folders(
+        live_server, agent_factory, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("tensorboard")
+    agent_factory(live_server, fake_gpus=1, cpu_slots=4)
+    api = live_server.api
+    (tmp_path / "trial.py").write_text(r"""
+import sys, time
+from torch.utils.tensorboard import SummaryWriter
+mark = float(sys.argv[1])
+w = SummaryWriter()                    # runs/<date>_<host>: the same folder for every trial
+for step in range(20):
+    w.add_scalar("val/loss", mark + step / 1000, step)
+    w.flush()
+    time.sleep(0.05)
+w.close()
+""")
+    s = api.post("/api/v1/sweeps", {
+        "working_dir": str(tmp_path), "cpu_only": True, "parallel": 3, "project": "attr",
+        "experiment": "sw", "metric": "runs/val/loss", "direction": "min",
+        "command": [sys.executable, "trial.py", "{x}"],
+        "parameters": {"x": [3.0, 1.0, 5.0, 2.0, 6.0, 4.0]}}, expect=201)
+    done = wait_for(lambda: (g := api.get(f"/api/v1/sweeps/{s['id']}"))["state"] == "DONE"
+                    and g, 180, what="the sweep done")
+    for t in done["trials_detail"]:
+        got = wait_for(lambda: len(p := _series(api, t["run_id"], "runs/val/loss")) == 20
+                       and p, 60, what=f"trial {t['number']}'s points")
+        x = t["params"]["x"]
+        assert all(abs(v - (x + step / 1000)) < 1e-6 for step, v in got), (t, got)
+        assert not [e for e in _events(api, t["run_id"]) if e["type"] == "FILE_NOT_ATTRIBUTED"]
+    best = api.get(f"/api/v1/sweeps/{s['id']}")["best"]
+    assert (best["params"], best["value"], best["step"]) == ({"x": 1.0}, 1.0, 0)
+
+    # a metric no trial logged: the sweep says so where its best would be
+    s = api.post("/api/v1/sweeps", {
+        "working_dir": str(tmp_path), "cpu_only": True, "project": "attr",
+        "experiment": "sw2", "metric": "val/loss", "direction": "min",
+        "command": [sys.executable, "trial.py", "{x}"], "parameters": {"x": [1.0]}},
+        expect=201)
+    done = wait_for(lambda: (g := api.get(f"/api/v1/sweeps/{s['id']}"))["state"] == "DONE"
+                    and g, 60, what="the second sweep done")
+    assert done["best"] is None
+    assert done["best_missing"] == "no trial logged val/loss; keys seen: runs/val/loss"

@@ -140,3 +140,42 @@ def test_an_image_reference_is_checked_at_submit(live_server, tmp_path):
     r = live_server.api.post("/api/v1/jobs", {"command": ["true"], "working_dir": str(tmp_path),
                                               "image": "bad image; rm -rf /"})
     assert live_server.api.last.status_code == 400 and "image" in r["error"]["message"]
+
+
+def _event_file(path, tag, points):
+    """A TensorBoard event file of v1 scalars, written with tensorboard's protos and CRC."""
+    import struct
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    def record(data):
+        head = struct.pack("<Q", len(data))
+        return (head + struct.pack("<I", masked_crc32c(head)) + data
+                + struct.pack("<I", masked_crc32c(data)))
+    events = [event_pb2.Event(wall_time=1.0, file_version="brain.Event:2")]
+    events += [event_pb2.Event(step=step, wall_time=2.0, summary=summary_pb2.Summary(
+        value=[summary_pb2.Summary.Value(tag=tag, simple_value=v)])) for step, v in points]
+    path.write_bytes(b"".join(record(e.SerializeToString()) for e in events))
+
+
+def test_containers_in_one_folder_keep_their_own_event_files(engine, live_server,
+                                                             agent_factory, tmp_path):
+    """Two container jobs at once in one folder: their processes are in pid namespaces of
+    their own, so the event file's host -- the container's hostname -- says whose it is."""
+    import time
+    agent_factory(live_server, name=_node("dock6"), cpu_slots=4)
+    api = live_server.api
+    for mark in (1, 2):
+        _event_file(tmp_path / f"made{mark}.bin", "loss", [(s, mark + s / 10) for s in range(5)])
+    name = f"events.out.tfevents.{int(time.time()) + 2}.$HOSTNAME.1.0"
+    jobs = {mark: _submit(api, tmp_path, f"touch ready{mark}; "
+                          "while [ ! -e ready1 ] || [ ! -e ready2 ]; do sleep 0.1; done; "
+                          f"cat made{mark}.bin > {name}; sleep 2", cpu_only=True)
+            for mark in (1, 2)}
+    for mark, job in jobs.items():
+        done = api.wait_job(job["id"], timeout=90)
+        assert done["state"] == "SUCCEEDED", api.get(f"/api/v1/jobs/{job['id']}/logs")
+        got = wait_for(lambda: (r := api.get(f"/api/v1/runs/{done['run_id']}/metrics/loss",
+                                             expect=None)) and r.get("points"), 30,
+                       what=f"run {done['run_id']}'s points")
+        assert [round(p[4], 3) for p in got] == [round(mark + s / 10, 3) for s in range(5)]

@@ -64,8 +64,12 @@ def main():
     ap.add_argument("--step-delay", type=float, default=0.01,
                     help="seconds per step, so the curves can be watched live")
     ap.add_argument("--logdir", default="tb")
-    ap.add_argument("--checkpoint-dir", default="checkpoints",
-                    help="where epoch_N.json goes (one directory per run of a sweep)")
+    # a folder of each run's own: jobs of this folder never overwrite each other's
+    # checkpoints (docs/checkpoints.md, "A checkpoint is its content")
+    run_id = os.environ.get("GPUCTL_RUN_ID")
+    ap.add_argument("--checkpoint-dir",
+                    default=f"checkpoints/run-{run_id}" if run_id else "checkpoints",
+                    help="where epoch_N.json goes (default: checkpoints/run-ID in a job)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -81,7 +81,9 @@ def register(run_id):
             size_bytes=opt_number(data, "size_bytes", int),
             fingerprint=field(data, "fingerprint", str, None, max_len=200, nullable=True),
             fmt=field(data, "format", str, None, max_len=40, nullable=True),
-            source=field(data, "source", str, "sdk", choices=("sdk", "import")))
+            source=field(data, "source", str, "sdk", choices=("sdk", "import")),
+            # which version of the file (docs/checkpoints.md "A checkpoint is its content")
+            mtime_ns=opt_number(data, "mtime_ns", int))
     out = _shape(checkpoints.get(current_db(), checkpoint_id))
     out["created"] = created
     return out, 201 if created else 200

@@ -9,7 +9,7 @@ import time
 
 from flask import Blueprint, Response, current_app, request
 
-from .. import lifecycle, retention, states, timelimit
+from .. import lifecycle, placeholders, retention, states, timelimit
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -43,8 +43,9 @@ def _job_or_404(job_id):
     return job
 
 
-def parse_job_spec(data):
-    """Validate a submit body into the spec lifecycle.submit() stores."""
+def parse_job_spec(data, placeholder_names=placeholders.JOB):
+    """Validate a submit body into the spec lifecycle.submit() stores. `placeholder_names`:
+    the {names} its folders may use (a sweep's template adds its own)."""
     command = data.get("command")
     if isinstance(command, str):
         if not command.strip():
@@ -104,8 +105,11 @@ def parse_job_spec(data):
         "env": env,
         "project": field(data, "project", str, "default", max_len=200) or "default",
         "experiment": field(data, "experiment", str, "", max_len=200),
-        "tb_dir": field(data, "tb_dir", str, None, max_len=4096, nullable=True),
-        "watch_dir": field(data, "watch_dir", str, None, max_len=4096, nullable=True),
+        "tb_dir": _folder(data, "tb_dir", placeholder_names),
+        "watch_dir": _folder(data, "watch_dir", placeholder_names),
+        # whether the submitter named them: a name given wins over the script's run.init
+        "project_given": data.get("project") not in (None, "", "default"),
+        "experiment_given": bool(data.get("experiment")),
         "depends_on": depends_on, "depends_any": depends_any,
         "held": field(data, "held", bool, False),
         "eval_command": eval_command,
@@ -119,6 +123,15 @@ def parse_job_spec(data):
         "preemptible": field(data, "preemptible", bool, None, nullable=True),
         "retention": _retention(data.get("retention")),
     }
+
+
+def _folder(data, key, names):
+    value = field(data, key, str, None, max_len=4096, nullable=True)
+    try:
+        placeholders.check(value or "", names, where=f"'{key}'")
+    except placeholders.PlaceholderError as e:
+        raise BadRequest(str(e)) from None
+    return value
 
 
 def time_limit(data):
@@ -200,10 +213,47 @@ def _dependencies(data, job_id=None, required=False):
 @bp.post("/jobs")
 @requires("write")
 def submit():
+    spec = parse_job_spec(body())
     try:
-        return current_lifecycle().submit(parse_job_spec(body())), 201
+        job = current_lifecycle().submit(spec)
     except lifecycle.LimitRefused as e:
         raise BadRequest(str(e)) from None
+    warnings = shared_folder_warnings(current_db(), job)
+    return ({**job, "warnings": warnings} if warnings else job), 201
+
+
+def _folders(job):
+    """(TensorBoard folder, checkpoint folder) a job's files are looked for in, as written
+    (placeholders unfilled: `tb/{run}` is never another job's)."""
+    wd = job["working_dir"]
+    tb = posixpath.normpath(posixpath.join(wd, job["tb_dir"])) if job.get("tb_dir") else wd
+    watch = (posixpath.normpath(posixpath.join(wd, job["watch_dir"]))
+             if job.get("watch_dir") else None)
+    return tb, watch
+
+
+def shared_folder_warnings(db, job):
+    """Sentences for a new job whose TensorBoard or checkpoint folder is an unfinished
+    job's too: the agent reads there only the files it can tell are this job's (agent.py
+    Writers), so say how to keep them apart before anything is lost."""
+    if placeholders.names([job.get("tb_dir") or "", job.get("watch_dir") or ""]) \
+            & set(placeholders.JOB):
+        return []
+    tb, watch = _folders(job)
+    out = []
+    for other in jobs.unfinished_in(db, job["working_dir"], job["id"]):
+        otb, owatch = _folders(other)
+        same = [what for what, mine, theirs in (("TensorBoard", tb, otb),
+                                                ("checkpoint", watch, owatch))
+                if mine and mine == theirs]
+        if same:
+            where = tb if same[0] == "TensorBoard" else watch
+            out.append(f"job {other['id']} ({other['name']}) uses the same "
+                       f"{' and '.join(same)} folder{'s' if len(same) > 1 else ''} ({where}):"
+                       " only files GPUPlane can tell apart are read for each; give each "
+                       "job its own, e.g. --tb-dir tb/{run} --watch checkpoints/{run} and "
+                       "the same {run} in the command")
+    return out[:5]
 
 
 @bp.get("/jobs")

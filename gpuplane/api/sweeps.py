@@ -10,7 +10,7 @@
 """
 from flask import Blueprint, current_app
 
-from .. import lifecycle, metricwire, series as planner, states, sweeps
+from .. import lifecycle, metricwire, series as planner, states, sweeps, vocab
 from ..auth import requires
 from ..db import jobs, metrics, sweeps as sweeps_db
 from ..errors import BadRequest, Conflict, NotFound
@@ -54,7 +54,9 @@ def create():
     if job_data.get("preemptible") is None:
         job_data["preemptible"] = True     # a trial resumes from its checkpoint when stopped
     sample = sweeps.fill(spec["template"], {**params[0], "trial": 0, "sweep_id": 0})
-    job = parse_job_spec({**job_data, "command": sample, "name": "trial"})
+    # the folders may name the trial and the parameters too (filled per trial)
+    job = parse_job_spec({**job_data, "command": sample, "name": "trial"},
+                         placeholder_names=(*sweeps.RESERVED, *params[0]))
     project = (data.get("project") or "default") if isinstance(data.get("project"),
                                                                  (str, type(None))) else None
     experiment = data.get("experiment") or ""
@@ -157,7 +159,25 @@ def view(sweep):
         best["value"] = metricwire.encode(best["value"])
     out["trials_detail"] = rows
     out["best"] = best
+    out["best_missing"] = None if best is not None else _why_no_best(db, key, d, rows)
     return out
+
+
+def _why_no_best(db, key, d, rows):
+    """Why the sweep has no best where trials have run: the sentence `sweep show` prints."""
+    ran = [r["run_id"] for r in rows if r["run_id"]]
+    if not ran:
+        return None
+    if key is None:
+        return ("no metric decides: give the sweep a metric or define the experiment's "
+                "primary one (`gpuplane metric set KEY --primary --experiment NAME`)")
+    if d not in ("min", "max") and any(r["value"] for r in rows):
+        return f"whether {key} is better low or high is unknown: give the sweep a direction"
+    seen = sorted({k for run_id in ran for k in metrics.key_names(db, run_id)
+                   if not vocab.is_system(k)})
+    return (f"no trial logged {key}" + (f"; keys seen: {', '.join(seen[:12])}"
+                                        + (" ..." if len(seen) > 12 else "") if seen
+                                        else "; no trial logged any metric yet"))
 
 
 @bp.get("/sweeps/<int:sweep_id>")

@@ -270,7 +270,9 @@ def cmd_job_submit(args):
         print_json(job)
     else:
         print(job["id"], flush=True)
-    warning = job.get("warning") or _placement_warning(client, job)
+    for warning in job.get("warnings") or []:      # the server's (a shared folder)
+        note(f"warning: {warning}")
+    warning = _placement_warning(client, job)
     if warning:
         note(f"warning: {warning}")
     if not args.follow:

@@ -219,6 +219,8 @@ def show_text(s):
     if s["stop_reason"]:
         lines.append(f"stopped: {s['stop_reason']}")
     b = s.get("best")
+    if not b and s.get("best_missing"):
+        lines.append(f"best: none ({s['best_missing']})")
     if b:
         said = " ".join(f"{k}={_num(v)}" for k, v in b["params"].items())
         lines.append(f"best so far: trial {b['trial']} (job {b['job_id']}) "

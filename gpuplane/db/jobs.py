@@ -5,7 +5,7 @@ QUEUED → DISPATCHED → RUNNING → SUCCEEDED | FAILED | CANCELLED. Every atte
 the attempt number is bumped in the same transaction that assigns the job to a node, so
 no attempt is ever started twice.
 """
-from ..states import JOB_ACTIVE, JOB_FINAL
+from ..states import JOB_ACTIVE, JOB_FINAL, QUEUED
 from . import dumps, loads, projects
 
 ACTIVE = JOB_ACTIVE
@@ -64,6 +64,14 @@ def list_jobs(db, state=None, limit=100, ids=None):
     sql = SELECT + (" WHERE " + " AND ".join(where) if where else "")
     rows = db.query(sql + " ORDER BY id DESC LIMIT ?", (*params, limit))
     return [to_dict(r) for r in rows]
+
+
+def unfinished_in(db, working_dir, other_than, limit=50):
+    """Jobs not yet ended that run in `working_dir` (newest first), but `other_than`."""
+    return [to_dict(r) for r in db.query(
+        SELECT + " WHERE working_dir = ? AND id != ? AND state IN (?, ?, ?)"
+        " ORDER BY id DESC LIMIT ?",
+        (working_dir, other_than, QUEUED, *JOB_ACTIVE, limit))]
 
 
 def queued(db):
@@ -158,8 +166,8 @@ def insert(conn, spec, ts):
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
         " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
         " created_at, queued_at, cpus, mem_mb, time_limit_min, retention, time_limit_s,"
-        " time_signal, preemptible)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " time_signal, preemptible, project_given, experiment_given)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -171,7 +179,8 @@ def insert(conn, spec, ts):
          spec.get("sweep_id"), ts, ts, spec.get("cpus"), spec.get("mem_mb"),
          -(-spec["time_limit_s"] // 60) if spec.get("time_limit_s") else None,
          dumps(spec["retention"]) if spec.get("retention") else None,
-         spec.get("time_limit_s"), spec.get("time_signal"), int(bool(spec.get("preemptible")))))
+         spec.get("time_limit_s"), spec.get("time_signal"), int(bool(spec.get("preemptible"))),
+         int(spec.get("project_given", True)), int(spec.get("experiment_given", True))))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 

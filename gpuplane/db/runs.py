@@ -118,10 +118,14 @@ def update_meta(conn, run_id, *, config=None, tags=None, name=None):
 
 def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, config=None):
     """What `run.init(...)` inside a job says about the job's run. The job's own settings
-    win: config keys merge in only where the run has none, and project / experiment /
-    name are set only where the job left them at their defaults."""
-    row = conn.execute("SELECT project, experiment, name, config FROM runs WHERE id = ?",
-                       (run_id,)).fetchone()
+    win: config keys merge in only where the run has none; a project / experiment the
+    submitter named stays (what run.init asked for is kept in the run's `init_wish`), and
+    one the submitter left out is taken from run.init for the run and its job alike, so
+    `job show`, `sweep show` and `exp runs` agree on where the run lives."""
+    row = conn.execute(
+        "SELECT r.project, r.experiment, r.name, r.config, r.job_id, j.project_given,"
+        " j.experiment_given FROM runs r LEFT JOIN jobs j ON j.id = r.job_id"
+        " WHERE r.id = ?", (run_id,)).fetchone()
     if row is None:
         return
     sets, args = [], []
@@ -129,8 +133,18 @@ def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, co
         merged = {**config, **loads(row["config"], {})}
         sets.append("config = ?")
         args.append(_config_text(run_id, merged))
-    new_project = project if project and row["project"] in (None, "", "default") else None
-    new_experiment = experiment if experiment and not row["experiment"] else None
+    in_job = row["job_id"] is not None
+    project_open = not row["project_given"] if in_job else row["project"] in (None, "", "default")
+    experiment_open = not row["experiment_given"] if in_job else not row["experiment"]
+    new_project = project if project and project_open and project != row["project"] else None
+    new_experiment = (experiment if experiment and experiment_open
+                      and experiment != row["experiment"] else None)
+    wish = {k: v for k, v, open_ in (("project", project, project_open),
+                                     ("experiment", experiment, experiment_open))
+            if v and not open_ and v != row[k]}
+    if wish:
+        sets.append("init_wish = ?")
+        args.append(dumps(wish))
     if new_project or new_experiment:
         projects.ensure(conn, new_project or row["project"], new_experiment or row["experiment"])
     if new_project:
@@ -139,6 +153,10 @@ def adopt_sdk_init(conn, run_id, *, project=None, experiment=None, name=None, co
     if new_experiment:
         sets.append("experiment = ?")
         args.append(new_experiment)
+    if in_job and (new_project or new_experiment):
+        conn.execute("UPDATE jobs SET project = COALESCE(?, project),"
+                     " experiment = COALESCE(?, experiment) WHERE id = ?",
+                     (new_project, new_experiment, row["job_id"]))
     if name and not row["name"]:
         sets.append("name = ?")
         args.append(name)

@@ -293,7 +293,8 @@ def log_checkpoint(path, step=None, epoch=None):
     path against the job's working dir; otherwise it is sent made absolute against this
     process's current directory. ``abs_path`` always carries the latter. Also sent:
     ``size_bytes`` (the file's size,
-    or the total of the files under a directory; 0 when it does not exist), ``step``
+    or the total of the files under a directory; 0 when it does not exist), ``mtime_ns``
+    (which version of the file), ``step``
     (default: the run's last step) and ``epoch``. Never raises.
     """
     try:
@@ -307,10 +308,20 @@ def log_checkpoint(path, step=None, epoch=None):
         body = {"path": path if _run.mode == "attached" else abs_path, "abs_path": abs_path,
                 "step": _run.last_step if step is None else int(step),
                 "epoch": epoch if epoch is None else float(epoch),
-                "size_bytes": _size_of(path), "ts": _time_ns() // 1_000_000}
+                "size_bytes": _size_of(path), "mtime_ns": _mtime_ns(path),
+                "ts": _time_ns() // 1_000_000}
         _enqueue_control("checkpoint", json.dumps(body))
     except Exception:
         _error()
+
+
+def _mtime_ns(path):
+    """Which version of the file this is: another run that registers the same path later
+    with other bytes (a newer mtime) replaces this run's record (docs/checkpoints.md)."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _size_of(path):

@@ -215,7 +215,10 @@ def test_checkpoints_and_sdk_inside_the_job(slurm_server, slurm_agent, tmp_path)
             "open('ckpt/step_3.pt', 'wb').write(b'weights')\n")
     (tmp_path / "tb").mkdir()
     events = tb_events(tmp_path / "made", {"score": [(1, 0.5), (2, 0.25)]})
-    code += f"import shutil; shutil.copy({str(events)!r}, 'tb/')\n"
+    # written by the job (a name with its own time: an event file named before the job
+    # started is never its, agent.py Writers)
+    code += (f"import shutil, time; shutil.copy({str(events)!r}, "
+             "f'tb/events.out.tfevents.{int(time.time())}.node.1.0')\n")
     job = submit(slurm_server, tmp_path, [sys.executable, "-c", code], watch_dir="ckpt",
                  tb_dir="tb")
     done = wait_state(slurm_server, job["id"], FINAL)
