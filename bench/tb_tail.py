@@ -12,6 +12,7 @@ import os
 import pathlib
 import statistics
 import sys
+import socket
 import tempfile
 import time
 
@@ -41,7 +42,9 @@ def write_file(run_dir, n_scalars, tags):
         return head + struct.pack("<I", masked(head)) + data + struct.pack("<I", masked(data))
 
     t0 = time.time()
-    path = os.path.join(run_dir, f"events.out.tfevents.{int(t0)}.bench.1.0")
+    # named as torch names it: this host and this process's pid
+    path = os.path.join(run_dir, f"events.out.tfevents.{int(t0)}.{socket.gethostname()}."
+                                 f"{os.getpid()}.0")
     with open(path, "wb") as fh:
         fh.write(record(event_pb2.Event(wall_time=t0, file_version="brain.Event:2").SerializeToString()))
         out = []
@@ -58,9 +61,27 @@ def write_file(run_dir, n_scalars, tags):
     return path
 
 
-def time_tailer(TBTailer, run_dir):
+def owner_check(run_dir):
+    """Writers.owner as a job's tailer uses it when another job shares the folder (the
+    attribution check, docs/tensorboard.md "Whose file is it")."""
+    import types
+    import agent
+
+    def att(job_id, pid):
+        a = types.SimpleNamespace(job_id=job_id, attempt=1, container=None, slurm_id=None,
+                                  working_dir=run_dir, tb_dir=None, watch_dir=None,
+                                  received_at=(time.time() - 60) * 1000)
+        a.resolve = lambda p: p
+        a.pid = lambda: {"pid": pid, "create_time": None}
+        return a
+    mine, other = agent.Writers(att(1, os.getpid())), agent.Writers(att(2, 1))
+    mine.neighbours = other.neighbours = lambda: [mine, other]
+    return mine.owner
+
+
+def time_tailer(TBTailer, run_dir, owner=None):
     t = time.perf_counter()
-    tailer, n = TBTailer(run_dir), 0
+    tailer, n = TBTailer(run_dir, owner=owner), 0
     while points := tailer.poll():   # as the agent does: a backlog comes in batches
         n += len(points)
     return time.perf_counter() - t, n
@@ -110,11 +131,15 @@ def main():
         print(f"wrote {args.scalars} scalars ({os.path.getsize(path) / 1e6:.1f} MB) in "
               f"{time.perf_counter() - t:.1f} s: {path}")
 
-        ours = []
+        ours, checked = [], []
         for _ in range(args.reps):
             secs, n = time_tailer(TBTailer, tmp)
             assert n == args.scalars, n
             ours.append(n / secs)
+            # the file names this process's pid: the check says it is this job's
+            secs, n = time_tailer(TBTailer, tmp, owner_check(tmp))
+            assert n == args.scalars, n
+            checked.append(n / secs)
         theirs = []
         for _ in range(args.loader_reps):
             secs, n = time_loader(path)
@@ -137,6 +162,10 @@ def main():
     print(f"LegacyEventFileLoader (raw):  {c:,.0f} scalars/s  (median of {len(legacy)}: "
           + ", ".join(f"{x:,.0f}" for x in legacy) + ")")
     print(f"ratio: {a / b:.1f}x EventFileLoader, {a / c:.1f}x LegacyEventFileLoader")
+    d = statistics.median(checked)
+    print(f"with the attribution check (Writers.owner, a shared folder): {d:,.0f} scalars/s"
+          f" (median of {len(checked)}: " + ", ".join(f"{x:,.0f}" for x in checked)
+          + f"); {d / a:.3f}x without it")
 
 if __name__ == "__main__":
     main()
