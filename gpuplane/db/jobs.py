@@ -32,6 +32,8 @@ def to_dict(row):
     d["resume"] = bool(d.get("resume"))
     d["retention"] = loads(d.get("retention"))
     d["preemptible"] = bool(d.get("preemptible"))
+    d["project_given"] = bool(d.get("project_given", True))
+    d["experiment_given"] = bool(d.get("experiment_given", True))
     return d
 
 
