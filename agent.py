@@ -1039,9 +1039,14 @@ def classify_exit(exit_info, log_path, cancel_info):
     if exit_info.get("failure_kind"):
         return exit_info["failure_kind"], exit_info.get("message")
     ended = exit_info.get("ended_at") or now_ms()
-    if cancel_info is not None and cancel_info.get("requested_at", 0) <= ended:
-        return "CANCELLED", "cancelled"
     code, sig = exit_info.get("exit_code"), exit_info.get("signal")
+    if cancel_info is not None and cancel_info.get("requested_at", 0) <= ended:
+        # A program that exited 0 before SIGTERM reached it ended on its own: a stop
+        # that came too late (an early stop judged on its last steps) keeps its own end.
+        term_at = cancel_info.get("term_at")
+        if code == 0 and not sig and (term_at is None or ended <= term_at):
+            return None, None
+        return "CANCELLED", "cancelled"
     if code == 0 and not sig:
         return None, None
     tail = b""
@@ -1323,6 +1328,11 @@ class Launcher:
         self._remember_tree(att, info)
         if not att.term_sent:
             att.term_sent = True
+            if proc_alive(pgid, info.get("create_time")):
+                # when the signal went to a live program: an exit 0 after it obeyed the
+                # stop, one before it did not see it (classify_exit)
+                write_json_atomic(att.file("cancel"), dict(cancel, term_at=now_ms()),
+                                  private=True)
             _killpg(pgid, signal.SIGTERM)
         survivors = self._survivors(att, pgid)
         if not survivors:

@@ -89,6 +89,11 @@ class JobOut(Out):
     id: int
     name: str
     state: str = Field(description="QUEUED, DISPATCHED, RUNNING, SUCCEEDED, FAILED or CANCELLED")
+    end: str | None = Field(None, description="how it ended, in words: 'succeeded', 'failed "
+                            "(OOM)', 'cancelled', 'early-stopped (ASHA rung 0, step 20)' (a "
+                            "sweep's rule stopped it: CANCELLED with failure_kind "
+                            "EARLY_STOPPED), 'stopped on LOSS_DIVERGED (step 812)' (its "
+                            "stop_on: failure_kind STOPPED_ON_EVENT)")
     run_id: int | None = Field(None, description="the run of the current attempt")
     next_actions: list[NextAction] = []
 
@@ -184,11 +189,15 @@ class WaitedJob(Out):
     trained_run_id: int | None = Field(None, description="the run that saved it")
     exit_code: int | None = None
     failure_kind: str | None = None
+    end: str | None = Field(None, description="how it ended, in words: 'succeeded', "
+                            "'early-stopped (ASHA rung 0, step 20)', 'stopped on "
+                            "LOSS_DIVERGED (step 812)', ...")
 
 
 class WaitManyOut(Out):
     jobs: list[WaitedJob] = Field(description="each job as it is now, in the order asked")
-    reached: bool = Field(description="true when all (or, mode 'any', one) ended")
+    reached: bool = Field(description="true when all (or, mode 'any', one) ended, or, "
+                          "until 'event', an event came")
     timed_out: bool
     waited_s: float
     first_ended: int | None = Field(description="the job that ended first")
@@ -196,6 +205,8 @@ class WaitManyOut(Out):
     summary: str
     findings: list[dict[str, Any]] = Field(description="warning and critical events of these "
                                                        "jobs that arrived while waiting")
+    event: dict[str, Any] | None = Field(None, description="until 'event': the critical "
+                                         "event that ended the wait (the job goes on)")
     next_actions: list[NextAction]
 
 
@@ -261,8 +272,11 @@ class SweepOut(Out):
                                      "they did log)")
     trials_detail: list[dict[str, Any]] = Field(
         [], description="per trial: number, params, state (PENDING, QUEUED, RUNNING, "
-                        "SUCCEEDED, FAILED, EARLY_STOPPED, ...), job_id, run_id, value (its "
-                        "best of the metric), stopped (why, for an early stop)")
+                        "SUCCEEDED, FAILED, EARLY_STOPPED, STOPPED_ON_EVENT, ...), end (in "
+                        "words), job_id, run_id, value (its best of the metric), stopped "
+                        "(why, for a stop that landed)")
+    trial_states: dict[str, int] = Field({}, description="how many trials are in each "
+                                         "state")
     next_actions: list[NextAction] = []
 
 
@@ -473,11 +487,12 @@ class Gpuplane:
                 "next_actions": na.after_job(job, timeout_s, until,
                                              trained=self._trained(job))}
 
-    def wait_for_jobs(self, job_ids, mode="all", timeout_s=600):
+    def wait_for_jobs(self, job_ids, mode="all", timeout_s=600, until="end"):
         start = time.monotonic()
         after = self.client.list_events(limit=1)["last_id"] or 0
-        jobs, timed_out = wait_for_jobs(self.client, job_ids, any_=mode == "any",
-                                        timeout_s=timeout_s, poll_s=WAIT_POLL_S)
+        waited = wait_for_jobs(self.client, job_ids, any_=mode == "any", timeout_s=timeout_s,
+                               poll_s=WAIT_POLL_S, until_event=until == "event")
+        jobs, timed_out = waited
         wanted = set(job_ids)
         findings = [e for e in self.client.list_events(after=after, severity="warning",
                                                        limit=1000)["events"]
@@ -487,7 +502,7 @@ class Gpuplane:
                  "checkpoint_id": j.get("parent_checkpoint_id"),
                  "trained_run_id": self._trained(j),
                  "exit_code": j.get("exit_code"), "failure_kind": j.get("failure_kind"),
-                 "project": j.get("project"), "experiment": j.get("experiment") or None}
+                 "end": j.get("end"), "project": j.get("project"), "experiment": j.get("experiment") or None}
                 for j in jobs]
         pending = [r["job_id"] for r in rows if r["state"] not in FINAL]
         ended = [j for j in jobs if j["state"] in FINAL]
@@ -496,12 +511,16 @@ class Gpuplane:
         counts = {}
         for r in rows:
             counts[r["state"]] = counts.get(r["state"], 0) + 1
+        ev = waited.event
         summary = (f"{len(rows)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items())
-                   + (f"; timed out after {timeout_s} s" if timed_out else ""))
+                   + (f"; timed out after {timeout_s} s" if timed_out else "")
+                   + (f"; returned on event {ev['id']} {ev['type']} of job {ev['job_id']}"
+                      if ev else ""))
         return {"jobs": rows, "reached": not timed_out, "timed_out": timed_out,
                 "waited_s": round(time.monotonic() - start, 2), "first_ended": first,
-                "pending": pending, "summary": summary, "findings": findings,
-                "next_actions": na.after_jobs(rows, pending, timeout_s, mode)}
+                "pending": pending, "summary": summary, "findings": findings, "event": ev,
+                "next_actions": (na.after_event(ev, rows) if ev else [])
+                + na.after_jobs(rows, pending, timeout_s, mode, until)}
 
     def _last_event_id(self, job_id):
         evs = self.client.list_events(job=job_id, limit=1)["events"]
@@ -735,6 +754,10 @@ class WaitManyIn(In):
                                       "the first one ends")] = "all"
     timeout_s: Annotated[int, Field(description="give up after this many seconds", ge=1,
                                     le=WAIT_MAX_S)] = 600
+    until: Annotated[Literal["end", "event"], Field(
+        description="'end': as mode says; 'event': also return on the first critical event "
+                    "(LOSS_NAN, LOSS_DIVERGED, OOM, STALLED, ...) filed on one of the jobs, "
+                    "in `event`, so a broken run can be cancelled at once")] = "end"
 
 
 class SubmitIn(In):
@@ -772,6 +795,10 @@ class SubmitIn(In):
     preemptible: Annotated[bool | None, Field(
         description="a job of higher priority may stop it and queue it again to resume "
                     "from its last checkpoint (default: the project's, else false)")] = None
+    stop_on: Annotated[list[str] | None, Field(
+        description="end the job at once when one of these events is filed on its run, "
+                    "e.g. ['LOSS_NAN', 'LOSS_DIVERGED'] (it ends CANCELLED with failure "
+                    "kind STOPPED_ON_EVENT); default none")] = None
 
 
 class EvaluateIn(In):
@@ -920,6 +947,9 @@ class CreateSweepIn(In):
     preemptible: Annotated[bool | None, Field(
         description="trials may be stopped for jobs of higher priority and resume from "
                     "their last checkpoint (default true)")] = None
+    stop_on: Annotated[list[str] | None, Field(
+        description="end a trial at once on these events (default ['LOSS_NAN', "
+                    "'LOSS_DIVERGED']; [] for none)")] = None
 
 
 class BestCheckpointIn(In):
@@ -1021,7 +1051,7 @@ TOOLS = [
          "Returns each job's state and run_id, the warnings and critical findings that "
          "arrived meanwhile, and what to do next (compare the runs, rank the checkpoints).",
          WaitManyIn, WaitManyOut,
-         lambda gp, a: gp.wait_for_jobs(a.job_ids, a.mode, a.timeout_s)),
+         lambda gp, a: gp.wait_for_jobs(a.job_ids, a.mode, a.timeout_s, a.until)),
     # control
     Tool("submit_job", CONTROL,
          "Queue a training job (needs a write token). Returns the job; then call "

@@ -72,6 +72,9 @@ def create_app(home=None, start_threads=True, **overrides):
     retention = Retention(db, lifecycle, gateway)
     lifecycle.on_event(retention.offer_lifecycle)
     engine.listeners.append(webhooks.notify)
+    # A job ends at once on an event its stop_on names (gpuplane/stop_on.py).
+    from .stop_on import StopOnEvents
+    engine.listeners.append(StopOnEvents(db, lifecycle).notify)
     app.config.update(HUB=hub, GATEWAY=gateway, SCHEDULER=scheduler, ROLLUP=rollup,
                       LIFECYCLE=lifecycle, STREAMS=slots, EVENTS=engine, WEBHOOKS=webhooks,
                       METRICS=MetricStore(db), SWEEPER=sweeper,

@@ -582,21 +582,45 @@ class Client:
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
-def wait_for_jobs(client, job_ids, any_=False, timeout_s=None, poll_s=1.0, on_end=None,
-                  on_poll=None):
-    """Wait until every job of `job_ids` has ended (any_: until one has), or timeout_s.
+class Waited(tuple):
+    """What wait_for_jobs returns: (jobs, timed_out), and `event`, the critical event
+    that ended an until_event wait (None otherwise)."""
+    event = None
 
-    Returns (jobs, timed_out): the jobs as GET /jobs lists them, in the order of
-    `job_ids`. `on_end(job)` is called once for each job as it is seen ended (in the
-    order they are seen); `on_poll()` after each look. One GET /jobs?ids= per poll_s.
-    An unknown id raises ApiError (404) before any waiting.
+
+def wait_for_jobs(client, job_ids, any_=False, timeout_s=None, poll_s=1.0, on_end=None,
+                  on_poll=None, until_event=False):
+    """Wait until every job of `job_ids` has ended (any_: until one has), or timeout_s;
+    until_event: or until a critical event is filed on one of them (one filed since the
+    job was submitted counts, so an event before the wait began is not missed).
+
+    Returns Waited((jobs, timed_out)), with .event: the jobs as GET /jobs lists them, in
+    the order of `job_ids`. `on_end(job)` is called once for each job as it is seen ended
+    (in the order they are seen); `on_poll()` after each look. One GET /jobs?ids= per
+    poll_s (and with until_event one GET /events). An unknown id raises ApiError (404)
+    before any waiting.
     """
     job_ids = list(dict.fromkeys(job_ids))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    cursor, found = None, None
+    if until_event:
+        cursor = client.list_events(limit=1)["last_id"] or 0
     for job_id in job_ids:      # unknown ids: the server's sentence, at once
         client.get_job(job_id)
+        if until_event and found is None:
+            evs = client.list_events(job=job_id, severity="critical", limit=1)["events"]
+            found = evs[0] if evs else None
     seen = set()
+
+    def done(jobs, timed_out, event=None):
+        out = Waited((jobs, timed_out))
+        out.event = event
+        return out
     while True:
+        if until_event and found is None:
+            got = client.list_events(after=cursor, severity="critical", limit=1000)
+            cursor = got["last_id"] or cursor
+            found = next((e for e in got["events"] if e.get("job_id") in job_ids), None)
         by_id = {j["id"]: j for j in client.list_jobs(ids=job_ids, limit=len(job_ids))}
         jobs = [by_id[i] for i in job_ids if i in by_id]
         for j in jobs:
@@ -606,11 +630,13 @@ def wait_for_jobs(client, job_ids, any_=False, timeout_s=None, poll_s=1.0, on_en
                     on_end(j)
         if on_poll is not None:
             on_poll()
+        if found is not None:
+            return done(jobs, False, found)
         ended = [j for j in jobs if j["state"] in FINAL_STATES]
         if (ended if any_ else len(ended) == len(jobs)):
-            return jobs, False
+            return done(jobs, False)
         if deadline is not None and time.monotonic() >= deadline:
-            return jobs, True
+            return done(jobs, True)
         time.sleep(poll_s if deadline is None
                    else max(0.0, min(poll_s, deadline - time.monotonic())))
 

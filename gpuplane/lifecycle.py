@@ -282,8 +282,10 @@ class Lifecycle:
             if job is None or job["attempt"] != attempt or job["state"] not in jobs.ACTIVE:
                 t.publish = True      # the run's state may have changed
                 return None
+            stop = job["stop_reason"] if job["cancel_requested"] else None
             if job["cancel_requested"] and failure_kind is not None:
-                failure_kind, state = "CANCELLED", states.CANCELLED
+                state = states.CANCELLED
+                failure_kind = (stop or {}).get("reason") or "CANCELLED"
             elif failure_kind is None:
                 state = states.SUCCEEDED
             elif failure_kind == "CANCELLED":
@@ -301,12 +303,18 @@ class Lifecycle:
                             f"{job['max_attempts']}", job=job, severity="warning", data=data)
                 return state
             jobs.set_ended(t.conn, job_id, state, failure_kind, exit_code, message, ts)
-            stop = job["stop_reason"] if state == "CANCELLED" else None
+            late = stop if state != states.CANCELLED else None
+            if late:        # it ended on its own before the stop reached it: its own end
+                jobs.set_stop_reason(t.conn, job_id, None)
+                stop = None
+                data["stop_came_late"] = late
             if stop:
                 data.update(stop)
             text = (f"job {job_id} ({job['name']}) attempt {attempt} {state.lower()}"
                     + (f": {stop['reason']}, {stop['message']}" if stop else
                        f": {failure_kind}" if failure_kind else "")
+                    + (f" (it ended before its stop reached it: {late['message']})"
+                       if late else "")
                     + (f" (exit {exit_code})" if exit_code not in (None, 0) else "")
                     + (f" on {job['node']}" if job["node"] else ""))
             # OOM stays easy to find: a FAILED event with failure_kind OOM, critical.
@@ -328,7 +336,9 @@ class Lifecycle:
             if job["state"] in jobs.FINAL:
                 return job, job["state"] == states.CANCELLED
             if job["state"] == states.QUEUED:
-                jobs.set_ended(t.conn, job_id, states.CANCELLED, "CANCELLED", None, None, now_ms())
+                jobs.set_ended(t.conn, job_id, states.CANCELLED,
+                               (stop_reason or {}).get("reason") or "CANCELLED", None, None,
+                               now_ms())
                 if stop_reason:
                     jobs.set_stop_reason(t.conn, job_id, stop_reason)
                 job = jobs.fetch(t.conn, job_id)

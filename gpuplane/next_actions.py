@@ -62,13 +62,28 @@ def after_job(job, timeout_s=300, until="end", trained=None):
     return acts
 
 
-def after_jobs(jobs, pending, timeout_s=600, mode="all"):
+def after_event(event, jobs):
+    """After wait_for_jobs returned on a critical event: look at the run, or stop the job
+    (it goes on unless it stops on that event itself)."""
+    job = next((j for j in jobs if j["job_id"] == event.get("job_id")), {})
+    acts = []
+    if job.get("state") not in FINAL:
+        acts.append(action("cancel_job", f"stop job {event['job_id']}: {event['type']}",
+                           job_id=event["job_id"]))
+    if event.get("run_id"):
+        acts.append(action("diagnose_run", "look at the curve the event is about",
+                           run_id=event["run_id"]))
+    return acts
+
+
+def after_jobs(jobs, pending, timeout_s=600, mode="all", until="end"):
     """After wait_for_jobs: wait on for the pending, explain the failed, compare the
     trainings that succeeded, rank the checkpoints the evaluations scored."""
     acts = []
     if pending:
         acts.append(action("wait_for_jobs", "keep waiting for the rest",
-                           job_ids=pending, timeout_s=timeout_s, mode=mode))
+                           job_ids=pending, timeout_s=timeout_s, mode=mode,
+                           **({"until": until} if until != "end" else {})))
     for j in [j for j in jobs if j["state"] == "FAILED"][:3]:
         acts.append(action("explain_failure", f"find out why job {j['job_id']} failed",
                            job_id=j["job_id"]))

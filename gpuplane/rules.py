@@ -16,6 +16,10 @@ from . import vocab
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 SEVERITIES = (INFO, WARNING, CRITICAL)
+# The event types the rules file (docs/events.md, "The rules"): what a job's stop_on and
+# a webhook's types may name besides the lifecycle's.
+TYPES = ("LOSS_NAN", "OOM", "DISK_LOW", "LOSS_SPIKE", "LOSS_DIVERGED",
+         "OVERFITTING_SUSPECTED", "GPU_UNDERUTILIZED", "STALLED")
 
 # Every setting of the rules, with its default; `[events]` in server.toml overrides them.
 DEFAULTS = {

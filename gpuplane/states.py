@@ -41,6 +41,52 @@ SWEEP_FINAL = (STOPPED, DONE, CANCELLED)
 
 
 
+# Why the platform ended a job before its own end: the job is CANCELLED with one of these
+# as its failure kind and its `stop_reason` ({"reason", "message", ...}) says the rest.
+# A plain cancel by hand is failure kind CANCELLED.
+EARLY_STOPPED = "EARLY_STOPPED"          # a sweep's early-stopping rule (gpuplane/pruning.py)
+STOPPED_ON_EVENT = "STOPPED_ON_EVENT"    # an event the job's stop_on names (docs/events.md)
+STOP_REASONS = (EARLY_STOPPED, STOPPED_ON_EVENT)
+
+# A sweep's trial, as `sweep show` says it (gpuplane/api/sweeps.py trial_state): its
+# job's state, or PENDING (not launched), RETRY (marked to run again), STOPPING (a stop
+# sent, the job not ended yet), EARLY_STOPPED / STOPPED_ON_EVENT (the stop landed).
+RETRY = "RETRY"
+STOPPING = "STOPPING"
+TRIAL_STATES = (PENDING, RETRY, QUEUED, DISPATCHED, RUNNING, STOPPING, SUCCEEDED,
+                *STOP_REASONS, FAILED, CANCELLED)
+
+
+def stop_label(stop):
+    """A stop's words for people: "early-stopped (ASHA rung 0, step 20)", "stopped on
+    LOSS_DIVERGED (step 812)"; None for no stop (or one of an unknown kind)."""
+    if not isinstance(stop, dict) or stop.get("reason") not in STOP_REASONS:
+        return None
+    step = stop.get("step")
+    at = f"step {step}" if step is not None else None
+    if stop["reason"] == EARLY_STOPPED:
+        rule = {"asha": "ASHA", "median": "median rule"}.get(stop.get("rule"),
+                                                             stop.get("rule") or "rule")
+        where = [f"{rule} rung {stop['rung']}" if stop.get("rung") is not None else rule, at]
+        return "early-stopped (" + ", ".join(w for w in where if w) + ")"
+    return f"stopped on {stop.get('event') or 'an event'}" + (f" ({at})" if at else "")
+
+
+def end_label(job):
+    """How a job ended, in one phrase: "succeeded", "failed (OOM)", "cancelled",
+    "early-stopped (ASHA rung 0, step 20)"; None while it has not ended."""
+    state = job.get("state")
+    if state not in JOB_FINAL:
+        return None
+    label = stop_label(job.get("stop_reason")) if state == CANCELLED else None
+    if label:
+        return label
+    kind = job.get("failure_kind")
+    if state == FAILED and kind:
+        return f"failed ({kind})"
+    return state.lower()
+
+
 def why_not_succeeded(job):
     """The platform's own sentence on why a job did not succeed ("working dir does not
     exist on this host: /x", "command not found: pythn", "node gpu1 lost"), or None.
@@ -50,4 +96,5 @@ def why_not_succeeded(job):
     return job.get("message") or None
 
 
-ALL = tuple(dict.fromkeys(JOB_STATES + ATTEMPT_STATES + RUN_STATES + SWEEP_STATES))
+ALL = tuple(dict.fromkeys(JOB_STATES + ATTEMPT_STATES + RUN_STATES + SWEEP_STATES
+                         + TRIAL_STATES))

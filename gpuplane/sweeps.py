@@ -220,7 +220,7 @@ SPEC_KEYS = {"name", "command", "parameters", "trials", "seed", "parallel", "met
              "direction", "early_stopping", "working_dir", "gpus", "cpu_only", "priority",
              "max_attempts", "env", "project", "experiment", "tb_dir", "watch_dir", "image",
              "eval_command", "retention", "time_limit", "time_limit_s", "time_limit_min",
-             "time_signal", "preemptible"}
+             "time_signal", "preemptible", "stop_on"}
 
 
 def parse_spec(data):

@@ -267,7 +267,7 @@ def test_asha_from_a_toml_file_stops_the_worst_and_never_the_best(box, monkeypat
     ck = api.get(f"/api/v1/runs/{job['run_id']}/checkpoints")["checkpoints"]
     assert all(c.get("deleted_at") is None for c in ck)
     shown = cli_run(box, monkeypatch, capsys, "sweep", "show", str(sweep_id)).out
-    assert "best so far: trial 1" in shown and "EARLY_STOPPED" in shown and "ASHA rung" in shown
+    assert "best: trial 1" in shown and "EARLY_STOPPED" in shown and "ASHA rung" in shown
     assert "asha" in cli_run(box, monkeypatch, capsys, "sweep", "list").out
     rec = cli_run(box, monkeypatch, capsys, "ckpt", "recommend", "--sweep", str(sweep_id)).out
     assert "asha-1/step40.pt" in rec

@@ -9,7 +9,7 @@ import time
 
 from flask import Blueprint, Response, current_app, request
 
-from .. import lifecycle, placeholders, retention, states, timelimit
+from .. import lifecycle, placeholders, retention, rules, states, timelimit
 from ..auth import current_token, requires
 from ..db import jobs, logs, runs
 from ..errors import BadRequest, Conflict, NotFound, PayloadTooLarge
@@ -41,6 +41,22 @@ def _job_or_404(job_id):
     if job is None:
         raise NotFound(f"job {job_id} does not exist; list jobs with `gpuplane job list`")
     return job
+
+
+def stop_on(value):
+    """The event types that end the job at once (docs/events.md, "Stop on events")."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split() if v]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest("'stop_on' must be a list of event types, e.g. [\"LOSS_NAN\", "
+                         "\"LOSS_DIVERGED\"]")
+    unknown = [v for v in value if v not in rules.TYPES]
+    if unknown:
+        raise BadRequest(f"'stop_on' names unknown event type(s) {', '.join(unknown)}; "
+                         f"a job can stop on {', '.join(rules.TYPES)}")
+    return list(dict.fromkeys(value))
 
 
 def parse_job_spec(data, placeholder_names=placeholders.JOB):
@@ -122,6 +138,7 @@ def parse_job_spec(data, placeholder_names=placeholders.JOB):
         "time_signal": time_signal(data),
         "preemptible": field(data, "preemptible", bool, None, nullable=True),
         "retention": _retention(data.get("retention")),
+        "stop_on": stop_on(data.get("stop_on")),
     }
 
 

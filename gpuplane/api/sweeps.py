@@ -23,7 +23,10 @@ bp = Blueprint("sweeps", __name__, url_prefix="/api/v1")
 STATES = states.SWEEP_STATES
 JOB_FIELDS = ("working_dir", "gpus", "cpu_only", "priority", "max_attempts", "env",
               "tb_dir", "watch_dir", "image", "eval_command", "retention", "time_limit",
-              "time_limit_s", "time_limit_min", "time_signal", "preemptible")
+              "time_limit_s", "time_limit_min", "time_signal", "preemptible", "stop_on")
+# A trial that diverges or goes NaN is ended at once unless the sweep says otherwise
+# (stop_on = [] keeps them running).
+TRIAL_STOP_ON = ("LOSS_NAN", "LOSS_DIVERGED")
 
 
 def _sweep_or_404(sweep_id):
@@ -51,6 +54,8 @@ def create():
     job_data = {k: data[k] for k in JOB_FIELDS if k in data}
     if "max_attempts" not in job_data:
         job_data["max_attempts"] = 1       # a trial that fails is re-run by retry-failed
+    if job_data.get("stop_on") is None:
+        job_data["stop_on"] = list(TRIAL_STOP_ON)
     if job_data.get("preemptible") is None:
         job_data["preemptible"] = True     # a trial resumes from its checkpoint when stopped
     sample = sweeps.fill(spec["template"], {**params[0], "trial": 0, "sweep_id": 0})
@@ -85,7 +90,7 @@ def create():
     spec["job"] = {k: job[k] for k in ("working_dir", "gpus", "cpu_only", "priority",
                                        "max_attempts", "env", "tb_dir", "watch_dir",
                                        "image", "eval_command", "retention",
-                                       "time_limit_s", "time_signal", "preemptible")}
+                                       "time_limit_s", "time_signal", "preemptible", "stop_on")}
     name = spec["name"] or f"{experiment or 'sweep'}"
     with current_lifecycle().transaction() as t:
         sweep_id = sweeps_db.create(t.conn, name, project, experiment, spec, params)
@@ -115,14 +120,13 @@ def summary(sweep):
 
 def trial_state(t):
     if t["job_id"] is None:
-        return "PENDING"
+        return states.PENDING
     if t["retry"]:
-        return "RETRY"
-    if t["stopped"] and t["job_state"] in jobs.ACTIVE:
-        return "STOPPING"
-    if t["job_state"] == "CANCELLED" and (t["stopped"] or (t["job_stop_reason"] or {})
-                                          .get("reason") == "EARLY_STOPPED"):
-        return "EARLY_STOPPED"
+        return states.RETRY
+    if (t["stopped"] or t["job_stop_reason"]) and t["job_state"] in jobs.ACTIVE:
+        return states.STOPPING
+    if t["job_state"] == states.CANCELLED and t["failure_kind"] in states.STOP_REASONS:
+        return t["failure_kind"]        # EARLY_STOPPED, STOPPED_ON_EVENT: not a cancel
     return t["job_state"]
 
 
@@ -143,11 +147,17 @@ def view(sweep):
             if kid:
                 s = planner.key_summary(db, kid, key, d if d in ("min", "max") else None)
                 value, latest = s["best"], s["latest"]
+        state = trial_state(t)
         row = {"number": t["number"], "params": t["params"], "job_id": t["job_id"],
-               "state": trial_state(t), "job_state": t["job_state"], "attempt": t["attempt"],
+               "state": state, "job_state": t["job_state"], "attempt": t["attempt"],
                "run_id": t["run_id"], "failure_kind": t["failure_kind"],
                "exit_code": t["exit_code"], "value": value, "latest": latest,
-               "rung": t["rung"], "stopped": t["stopped"] or t["job_stop_reason"],
+               "rung": t["rung"],
+               # a stop that landed (a trial that ended first keeps its own end)
+               "stopped": (t["job_stop_reason"] or t["stopped"])
+               if state in (states.STOPPING, *states.STOP_REASONS) else None,
+               "end": states.stop_label(t["job_stop_reason"]) if state in states.STOP_REASONS
+               else (t["job_state"] or "").lower() or None,
                "started_at": t["started_at"], "ended_at": t["ended_at"]}
         rows.append(row)
         v = value and value.get("value")
@@ -158,6 +168,9 @@ def view(sweep):
     if best is not None:
         best["value"] = metricwire.encode(best["value"])
     out["trials_detail"] = rows
+    out["trial_states"] = {}
+    for r in rows:
+        out["trial_states"][r["state"]] = out["trial_states"].get(r["state"], 0) + 1
     out["best"] = best
     out["best_missing"] = None if best is not None else _why_no_best(db, key, d, rows)
     return out

@@ -22,6 +22,7 @@ EXIT_USAGE = 2
 EXIT_CANCELLED = 3
 EXIT_UNREACHABLE = 4
 EXIT_FAILED = 5
+EXIT_EVENT = 6              # `job wait --until-event`: a critical event came first
 EXIT_TIMEOUT = 124          # as timeout(1): `job wait --timeout` passed first
 EXIT_INTERRUPTED = 130
 
@@ -272,9 +273,10 @@ failure_reason = states.why_not_succeeded
 
 
 def describe_end(job):
-    text = f"job {job['id']} {job['state']}"
+    stop = states.stop_label(job.get("stop_reason")) if job["state"] == "CANCELLED" else None
+    text = f"job {job['id']} {stop or job['state']}"
     details = []
-    if job.get("failure_kind"):
+    if job.get("failure_kind") and not stop:
         details.append(job["failure_kind"])
     if job.get("exit_code") is not None:
         details.append(f"exit code {job['exit_code']}")

@@ -6,7 +6,8 @@ import os
 import pathlib
 import shlex
 
-from .common import (EXIT_OK, EXIT_TIMEOUT, CliError, FINAL_STATES, JOB_STATES, ago,
+from .. import states
+from .common import (EXIT_EVENT, EXIT_OK, EXIT_TIMEOUT, CliError, FINAL_STATES, JOB_STATES, ago,
                      clean_line, clock, command, command_text, describe_end, duration,
                      env_pair, failure_reason, follow_job, gpu_list, job_id_type, make_client, note,
                      outcome_code, parents, positive_int, print_json, print_table, wants)
@@ -26,6 +27,8 @@ exit codes:
   0   every job SUCCEEDED (with --any: the first to end did)
   5   one of them FAILED (with --any: the first to end did)
   3   one was CANCELLED and none failed (with --any: the first to end was)
+  6   --until-event: a critical event (LOSS_NAN, LOSS_DIVERGED, OOM, STALLED, ...) was
+      filed on one of them first; it is printed, and the jobs go on
   124 --timeout passed first
   1   an unknown job id, or another error; 4 the server cannot be reached"""
 
@@ -109,6 +112,9 @@ def add_parser(subparsers):
                    help="return when the first of them ends (default: when all have)")
     p.add_argument("--timeout", type=float, metavar="S",
                    help="give up after S seconds (exit 124); default: wait as long as it takes")
+    p.add_argument("--until-event", action="store_true",
+                   help="also return (exit 6) on the first critical event of these jobs, "
+                        "e.g. LOSS_DIVERGED: look at it, or `gpuplane job cancel ID`")
     p.set_defaults(func=cmd_job_wait)
 
     p = command(jsub, "retry", "run a job that has ended (any outcome) again, as a new attempt",
@@ -221,11 +227,29 @@ def add_time_options(p, trials=False):
                    help="a job of higher priority may stop it (warning, grace, SIGTERM) "
                         "and queue it again to resume from its last checkpoint (default: "
                         + ("on for trials)" if trials else "the project's, else off)"))
+    p.add_argument("--stop-on", type=stop_on_arg, metavar="TYPES", dest="stop_on",
+                   help=f"end {whose} run at once on these events, e.g. LOSS_NAN,LOSS_DIVERGED "
+                        "(it ends STOPPED_ON_EVENT, not as a failure of the program); "
+                        + ("default LOSS_NAN,LOSS_DIVERGED, 'none' for none" if trials
+                           else "default none"))
+
+
+def stop_on_arg(text):
+    """`--stop-on LOSS_NAN,LOSS_DIVERGED` -> the list, checked ('none': [])."""
+    from gpuplane import rules
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    if names in ([], ["NONE"]):
+        return []
+    unknown = [n for n in names if n not in rules.TYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown event type(s) {', '.join(unknown)}; one of {', '.join(rules.TYPES)}")
+    return names
 
 
 def time_fields(args):
     return {"time_limit_s": args.time_limit_s, "time_signal": args.time_signal,
-            "preemptible": args.preemptible}
+            "preemptible": args.preemptible, "stop_on": args.stop_on}
 
 
 def _default_name(cmd):
@@ -308,7 +332,9 @@ def cmd_job_list(args):
         if where and j.get("gpu_indices"):
             where += f":{gpu_list(j['gpu_indices'])}"
         took = duration(j.get("started_at"), j.get("ended_at"))
-        rows.append([j["id"], j.get("name"), j["state"], wants(j), where,
+        stopped = j["state"] == "CANCELLED" and j.get("failure_kind") in states.STOP_REASONS
+        state = j["failure_kind"] if stopped else j["state"]    # EARLY_STOPPED, not a cancel
+        rows.append([j["id"], j.get("name"), state, wants(j), where,
                      f"{j.get('attempt') or 0}/{j.get('max_attempts')}",
                      ago(j.get("created_at")), took])
     print_table(rows, ["ID", "NAME", "STATE", "WANTS", "NODE:GPUS", "ATTEMPT",
@@ -322,7 +348,8 @@ def cmd_job_show(args):
     if args.json:
         print_json(job)
         return EXIT_OK
-    print(f"job {job['id']}  {job.get('name') or ''}  {job['state']}"
+    stop = states.stop_label(job.get("stop_reason")) if job["state"] == "CANCELLED" else None
+    print(f"job {job['id']}  {job.get('name') or ''}  {stop or job['state']}"
           + ("  (cancel requested)" if job.get("cancel_requested")
              and job["state"] not in FINAL_STATES else ""))
     fields = [
@@ -354,7 +381,8 @@ def cmd_job_show(args):
         ("ended", _when(job.get("ended_at"))),
         ("ran", duration(job.get("started_at"), job.get("ended_at"))),
         ("exit code", job.get("exit_code")),
-        ("failure", job.get("failure_kind")),
+        ("failure", None if stop else job.get("failure_kind")),
+        ("stopped", stop and f"{stop}: {job['stop_reason'].get('message')}"),
         ("why", failure_reason(job)),
         ("after", (("any end of " if job.get("depends_any") else "")
                    + ", ".join(f"job {d}" for d in job["depends_on"]))
@@ -424,10 +452,20 @@ def cmd_job_wait(args):
             ran = duration(job.get("started_at"), job.get("ended_at"))
             print(f"job {job['id']} {job['state']}{run}"
                   + (f" after {ran}" if job.get("started_at") else ""), flush=True)
-    jobs, timed_out = wait_for_jobs(client, args.job_ids, any_=args.any,
-                                    timeout_s=args.timeout, on_end=said)
+    waited = wait_for_jobs(client, args.job_ids, any_=args.any, timeout_s=args.timeout,
+                           on_end=said, until_event=args.until_event)
+    jobs, timed_out = waited
     if args.json:
-        print_json(jobs)
+        print_json(jobs if waited.event is None else {"jobs": jobs, "event": waited.event})
+    if waited.event is not None:
+        e = waited.event
+        if not args.json:
+            print(f"event {e['id']} {e['type']} ({e['severity']}) on job {e['job_id']}"
+                  + (f" at step {e['step']}" if e.get("step") is not None else "")
+                  + f": {e['message']}", flush=True)
+            note(f"next: `gpuplane events --job {e['job_id']}`, `gpuplane logs "
+                 f"{e['job_id']}`, or `gpuplane job cancel {e['job_id']}`")
+        return EXIT_EVENT
     ended = [j for j in jobs if j["state"] in FINAL_STATES]
     if timed_out:
         note(f"{len(jobs) - len(ended)} of {len(jobs)} jobs still not ended after "
@@ -437,9 +475,9 @@ def cmd_job_wait(args):
     if args.any:
         first = min(ended, key=lambda j: (j.get("ended_at") or 0, j["id"]))
         return outcome_code(first["state"])
-    states = {j["state"] for j in jobs}
-    return outcome_code("FAILED" if "FAILED" in states else
-                        "CANCELLED" if "CANCELLED" in states else "SUCCEEDED")
+    ends = {j["state"] for j in jobs}
+    return outcome_code("FAILED" if "FAILED" in ends else
+                        "CANCELLED" if "CANCELLED" in ends else "SUCCEEDED")
 
 
 def cmd_job_retry(args):

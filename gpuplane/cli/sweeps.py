@@ -3,6 +3,7 @@ cancel, retry-failed (docs/sweeps.md)."""
 
 import os
 
+from .. import states
 from .jobs import add_time_options, time_fields
 from .common import (EXIT_OK, CliError, ago, command, env_pair, id_type, make_client, parents,
                      print_json, print_table)
@@ -180,9 +181,11 @@ def cmd_create(args):
     return EXIT_OK
 
 
-def _counts(states):
-    order = ("PENDING", "QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
-    return " ".join(f"{states[s]} {s.lower()}" for s in order if states.get(s))
+def _counts(by_state):
+    order = states.TRIAL_STATES
+    words = {"EARLY_STOPPED": "early-stopped", "STOPPED_ON_EVENT": "stopped on an event"}
+    return ", ".join(f"{by_state[s]} {words.get(s, s.lower())}" for s in order
+                     if by_state.get(s))
 
 
 def cmd_list(args):
@@ -207,6 +210,8 @@ def show_text(s):
     lines = [f"sweep {s['id']} ({s['name']}) {s['state']}  experiment "
              f"{s['project']}/{s['experiment'] or '-'}  {s['trials']} trials, "
              f"{s['parallel']} at once"]
+    if s.get("trial_states"):
+        lines.append(f"trials: {_counts(s['trial_states'])}")
     if metric["key"]:
         lines.append(f"metric {metric['key']} ({metric['direction'] or 'direction unknown'}, "
                      f"from the {metric['from']})")
@@ -223,7 +228,8 @@ def show_text(s):
         lines.append(f"best: none ({s['best_missing']})")
     if b:
         said = " ".join(f"{k}={_num(v)}" for k, v in b["params"].items())
-        lines.append(f"best so far: trial {b['trial']} (job {b['job_id']}) "
+        best = "best" if s["state"] in ("DONE", "STOPPED", "CANCELLED") else "best so far"
+        lines.append(f"{best}: trial {b['trial']} (job {b['job_id']}) "
                      f"{metric['key']} = {_num(b['value'])} at step {b['step']}  {said}")
     return "\n".join(lines)
 

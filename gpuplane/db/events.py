@@ -1,4 +1,5 @@
 """Events: lifecycle and rule findings, one table, newest last."""
+from ..states import JOB_ACTIVE, QUEUED
 from . import dumps, loads, not_system, now_ms
 
 
@@ -177,3 +178,14 @@ def last_activity(db, run_id, job_id, attempt):
         "SELECT DISTINCT ts FROM logs WHERE job_id = ? AND attempt = ? ORDER BY id DESC"
         " LIMIT 65", (job_id, attempt))] if job_id is not None else []
     return sorted(set(pts) | set(lines))
+
+
+def for_stop_on(db, ids):
+    """Of these events, those on a job that may stop on events and has not ended or been
+    cancelled (gpuplane/stop_on.py), oldest first, with the job's stop_on."""
+    return db.query(
+        "SELECT e.id, e.type, e.step, e.message, e.job_id, e.run_id, j.stop_on"
+        " FROM events e JOIN jobs j ON j.id = e.job_id"
+        f" WHERE e.id IN ({','.join('?' * len(ids))}) AND j.stop_on IS NOT NULL"
+        " AND j.cancel_requested = 0 AND j.state IN (?, ?, ?) ORDER BY e.id",
+        (*ids, QUEUED, *JOB_ACTIVE))

@@ -5,13 +5,14 @@ QUEUED → DISPATCHED → RUNNING → SUCCEEDED | FAILED | CANCELLED. Every atte
 the attempt number is bumped in the same transaction that assigns the job to a node, so
 no attempt is ever started twice.
 """
-from ..states import JOB_ACTIVE, JOB_FINAL, QUEUED
+from ..states import JOB_ACTIVE, JOB_FINAL, QUEUED, STOP_REASONS, end_label
 from . import dumps, loads, projects
 
 ACTIVE = JOB_ACTIVE
 FINAL = JOB_FINAL
 # never retried automatically (TIMEOUT: a Slurm job past its time limit, docs/slurm.md)
-FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED", "TIMEOUT")
+FINAL_FAILURES = ("OOM", "EXIT_CODE", "DISPATCH_FAILED", "DEPENDENCY_FAILED", "TIMEOUT",
+                  *STOP_REASONS)
 
 
 def to_dict(row):
@@ -34,6 +35,8 @@ def to_dict(row):
     d["preemptible"] = bool(d.get("preemptible"))
     d["project_given"] = bool(d.get("project_given", True))
     d["experiment_given"] = bool(d.get("experiment_given", True))
+    d["stop_on"] = loads(d.get("stop_on"), [])
+    d["end"] = end_label(d)      # "early-stopped (ASHA rung 0, step 20)", ...
     return d
 
 
@@ -168,8 +171,8 @@ def insert(conn, spec, ts):
         " max_attempts, env, project, experiment, tb_dir, watch_dir, parent_checkpoint_id,"
         " depends_on, depends_any, held, eval_command, image, config, sweep_id,"
         " created_at, queued_at, cpus, mem_mb, time_limit_min, retention, time_limit_s,"
-        " time_signal, preemptible, project_given, experiment_given)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " time_signal, preemptible, project_given, experiment_given, stop_on)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (spec["name"], spec.get("kind", "TRAIN"), dumps(spec["command"]),
          spec["working_dir"], spec["gpus"], int(spec["cpu_only"]), spec["priority"],
          spec["max_attempts"], dumps(spec["env"]), spec["project"], spec["experiment"],
@@ -182,7 +185,8 @@ def insert(conn, spec, ts):
          -(-spec["time_limit_s"] // 60) if spec.get("time_limit_s") else None,
          dumps(spec["retention"]) if spec.get("retention") else None,
          spec.get("time_limit_s"), spec.get("time_signal"), int(bool(spec.get("preemptible"))),
-         int(spec.get("project_given", True)), int(spec.get("experiment_given", True))))
+         int(spec.get("project_given", True)), int(spec.get("experiment_given", True)),
+         dumps(spec["stop_on"]) if spec.get("stop_on") else None))
     projects.ensure(conn, spec["project"], spec["experiment"])
     return cur.lastrowid
 

@@ -1,7 +1,8 @@
 """Sweeps and their trials: the rows and their SQL. What a sweep does (launching trials,
 early stopping, stopping when its trials fail) is decided in gpuplane/sweeps.py; job state
 changes go through gpuplane/lifecycle.py."""
-from ..states import CANCELLED, FAILED, JOB_ACTIVE, QUEUED, SUCCEEDED, SWEEP_ACTIVE, SWEEP_FINAL
+from ..states import (CANCELLED, FAILED, JOB_ACTIVE, QUEUED, STOP_REASONS, SUCCEEDED,
+                      SWEEP_ACTIVE, SWEEP_FINAL)
 from . import dumps, loads, now_ms, projects
 
 ACTIVE = SWEEP_ACTIVE               # a sweep that still launches trials
@@ -54,11 +55,17 @@ def list_sweeps(db, state=None, limit=100):
     if out:
         ids = [s["id"] for s in out]
         counts = {}
+        # a trial stopped by the platform counts by its stop (EARLY_STOPPED), not as a
+        # cancel (gpuplane/states.py STOP_REASONS)
+        stops = ",".join("?" * len(STOP_REASONS))
+        state_of = (f"COALESCE(CASE WHEN j.failure_kind IN ({stops}) THEN j.failure_kind"
+                    " ELSE j.state END, 'PENDING')")
         for sid, state_, n in db.query(
-                "SELECT t.sweep_id, COALESCE(j.state, 'PENDING'), count(*) FROM sweep_trials t"
+                f"SELECT t.sweep_id, {state_of}, count(*) FROM sweep_trials t"
                 " LEFT JOIN jobs j ON j.id = t.job_id"
                 f" WHERE t.sweep_id IN ({','.join('?' * len(ids))})"
-                " GROUP BY t.sweep_id, COALESCE(j.state, 'PENDING')", ids):
+                f" GROUP BY t.sweep_id, {state_of}",
+                (*STOP_REASONS, *ids, *STOP_REASONS)):
             counts.setdefault(sid, {})[state_] = n
         for s in out:
             s["trial_states"] = counts.get(s["id"], {})
