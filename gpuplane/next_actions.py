@@ -222,7 +222,9 @@ CLI = {
         "command": "--"}, ()),
     # `job wait` waits for the end, which is also past the start or any change
     "wait_for_job": ("job wait", ["job_id"], {}, ("timeout_s", "until")),
-    "wait_for_jobs": ("job wait", ["job_ids"], {"mode": {"any": "--any", "all": None}},
+    "wait_for_jobs": ("job wait", ["job_ids"], {"mode": {"any": "--any", "all": None},
+                                                "until": {"event": "--until-event",
+                                                          "end": None}},
                       ("timeout_s",)),
     "wait_for_sweep": ("sweep show", ["sweep_id"], {}, ("timeout_s",)),
 }

@@ -105,12 +105,46 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
             pick["evaluation"] = {k: _encode(v) for k, v in results.items()}
     best.update(scope=scope, metric=metric, candidates=len(cands),
                 evaluated=sum(1 for c in cands if c["evaluation"] is not None))
+    best["next_actions"] = _workable(db, best.get("next_actions") or [], key, project,
+                                     experiment, sweep)
     if metric["primary_from"] == "guess":
         best["next_actions"] = list(best.get("next_actions") or []) + [semantic.action(
             "set_primary_metric", "no primary metric is defined for this scope; "
             f"{key} was picked by its name", key=key, project=project or "",
             experiment=experiment or "")]
     return best
+
+
+def _workable(db, acts, key, project, experiment, sweep=None):
+    """The recommendation's next actions, each one that can work as given: never itself
+    (the same question asked again), an evaluation only with a command to run — where the
+    training job has none, the action says how to give one (on the call, or on the sweep or
+    job) — and with the metric the scope's evaluations actually log."""
+    acts = [a for a in acts if a["tool"] != "get_best_checkpoint"]
+    ids = [a["arguments"]["checkpoint_id"] for a in acts if a["tool"] == "evaluate_checkpoint"]
+    if not ids:
+        return acts
+    commands = checkpoints.eval_commands(db, ids)
+    logged = [k for k, _ in checkpoints.evaluated_keys(db, project or "", experiment)]
+    where = (f"create the sweep with eval_command (`gpuplane sweep create ... "
+             f"--eval-command 'python eval.py'`)" if sweep is not None else
+             "submit the training job with eval_command (`--eval-command 'python eval.py'`)")
+    out = []
+    for a in acts:
+        if a["tool"] == "evaluate_checkpoint":
+            a = dict(a, arguments=dict(a["arguments"]))
+            why = a["why"]
+            if logged and key not in logged:
+                why = (f"evaluate it; this scope's evaluations log {', '.join(logged[:3])}, "
+                       f"not {key}: rank by it with get_best_checkpoint key="
+                       f"{logged[0]!r}")
+            if not commands.get(a["arguments"]["checkpoint_id"]):
+                why += (" — its job has no evaluation command: give `command` on this call "
+                        f"(e.g. ['python', 'eval.py']), or {where}")
+                a["arguments"]["command"] = "<the command that evaluates one checkpoint>"
+            a["why"] = why
+        out.append(a)
+    return out
 
 
 def overlay(db, run_ids, key, max_points=500):

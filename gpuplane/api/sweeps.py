@@ -104,7 +104,16 @@ def create():
 def list_sweeps():
     state = query_state(STATES)
     limit = query_int("limit", 100, min=1, max=10000)
-    return {"sweeps": [summary(s) for s in sweeps_db.list_sweeps(current_db(), state, limit)]}
+    rows = sweeps_db.list_sweeps(current_db(), state, limit)
+    out = [summary(s) for s in rows]
+    # the newest few also say their best so far (a view reads every trial's metric)
+    for s, row in zip(rows[:LIST_BEST], out):
+        v = view(s)
+        row.update(best=v["best"], best_missing=v["best_missing"])
+    return {"sweeps": out}
+
+
+LIST_BEST = 20
 
 
 def summary(sweep):

@@ -424,6 +424,20 @@ def paths(db, checkpoint_ids):
     return out
 
 
+def eval_commands(db, checkpoint_ids):
+    """{id: the evaluation command of the job that saved it, or None} of some checkpoints:
+    whether evaluate_checkpoint can run without being given one."""
+    ids = list(checkpoint_ids)
+    out = {}
+    for i in range(0, len(ids), 500):
+        part = ids[i:i + 500]
+        out.update((r[0], loads(r[1])) for r in db.query(
+            "SELECT c.id, j.eval_command FROM checkpoints c JOIN runs r ON r.id = c.run_id"
+            " LEFT JOIN jobs j ON j.id = r.job_id"
+            f" WHERE c.id IN ({','.join('?' * len(part))})", part))
+    return out
+
+
 def latest_results(db, checkpoint_id):
     """{key: value} of the checkpoint's last successful evaluation, or None."""
     row = db.query_one("SELECT j.run_id FROM evaluations e JOIN jobs j ON j.id = e.job_id"

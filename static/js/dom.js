@@ -84,6 +84,17 @@ export function stateBadge(state) {
   return h("span", { class: `badge s-${String(state || "").toLowerCase()}`, text: state || "" });
 }
 
+// A job's end as the server words it (gpuplane/states.py end_label): an early stop or a
+// stop on an event is an end of its own, not a cancel.
+const STOPS = { EARLY_STOPPED: "EARLY-STOPPED", STOPPED_ON_EVENT: "STOPPED ON EVENT" };
+export function isStopped(job) {
+  return job.state === "CANCELLED" && Object.hasOwn(STOPS, job.failure_kind || "");
+}
+export function jobBadge(job) {
+  if (!isStopped(job)) return stateBadge(job.state);
+  return h("span", { class: "badge s-stopped", text: STOPS[job.failure_kind], title: job.end || "" });
+}
+
 // -- terminal text ------------------------------------------------------------------
 
 const SGR_COLOURS = {

@@ -40,11 +40,15 @@ def test_sweep_list_trials_table_and_scatter(open_page, cluster):
     page.goto(server.url + "/#/sweeps")
     row = page.wait_for_selector(f"#sweeps-body tr[data-sweep='{s['id']}']")
     assert "page <b>x</b>" in row.inner_text() and "6 succeeded" in row.inner_text()
+    assert "6 / 6 ended" in row.inner_text() and "trial 2" in row.inner_text()
+    assert "x=0.3 opt=adam" in row.inner_text()
     shot(page, "sweeps")
     page.click(f"#sweeps-body tr[data-sweep='{s['id']}'] a")
     page.wait_for_selector("#trials-body tr[data-trial='5']")
     assert page.locator("#trials-body tr").count() == 6
-    assert "best so far: trial 2" in page.inner_text("#best")
+    assert page.inner_text("#best").startswith("best: trial 2")     # DONE: not "so far"
+    assert "6 succeeded" in page.inner_text("#trial-counts")
+    assert "succeeded" in page.inner_text("#scatter-legend")
     assert "x=0.3 opt=adam" in page.inner_text("#best")
     assert page.locator("#trials-body tr.leader[data-trial='2']").count() == 1
     page.wait_for_selector("#recommended a")
@@ -62,4 +66,40 @@ def test_sweep_list_trials_table_and_scatter(open_page, cluster):
     assert {p["x"] for p in page.evaluate("() => window.gpuplane.sweep.points")} == \
         {"adam", "sgd"}
     shot(page, "sweep")
+    w.assert_clean()
+
+
+DIVERGE = """\
+import time
+from gpuctl import run
+for step in range(1, 3001):
+    run.log({"loss": 1.0 / step if step < 40 else 10.0 * step}, step=step)
+    time.sleep(0.02)
+"""
+
+
+def test_a_job_stopped_on_an_event_is_shown_as_stopped_not_cancelled(open_page, cluster):
+    server, _agent, home = cluster
+    wd = home / "stop-work"
+    wd.mkdir(exist_ok=True)
+    (wd / "diverge.py").write_text(DIVERGE)
+    api = server.api
+    job = api.post("/api/v1/jobs", {"command": [sys.executable, "diverge.py"],
+                                    "working_dir": str(wd), "cpu_only": True,
+                                    "stop_on": ["LOSS_DIVERGED"]}, expect=201)
+    done = wait_for(lambda: (j := api.job(job["id"]))["state"] == "CANCELLED" and j, 60,
+                    what="the job to stop on its divergence")
+    assert done["failure_kind"] == "STOPPED_ON_EVENT"
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/jobs")
+    row = page.wait_for_selector(f"tr[data-job='{job['id']}']")
+    assert "STOPPED ON EVENT" in row.inner_text() and "CANCELLED" not in row.inner_text()
+    page.goto(server.url + f"/#/jobs/{job['id']}")
+    page.wait_for_selector("#job-name")
+    text = page.inner_text("main")
+    assert "stopped on LOSS_DIVERGED" in text and "STOPPED ON EVENT" in text
+    page.goto(server.url + f"/#/runs/{done['run_id']}")
+    page.wait_for_selector(".badge.s-stopped")
+    assert "stopped on LOSS_DIVERGED" in page.inner_text("main")
     w.assert_clean()

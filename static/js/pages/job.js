@@ -2,7 +2,7 @@
 // cancel / retry with confirmation.
 
 import { api, canWrite } from "../api.js";
-import { h, replace, fmtTime, fmtDuration, stateBadge, ansiSegments, plainText, confirmAction, debounce } from "../dom.js";
+import { h, replace, fmtTime, fmtDuration, stateBadge, jobBadge, isStopped, ansiSegments, plainText, confirmAction, debounce } from "../dom.js";
 import { live } from "../live.js";
 import { errorBox } from "../app.js";
 
@@ -101,7 +101,7 @@ export async function render(root, [id]) {
 
   function draw() {
     replace(head, h("h1", {}, h("span", { class: "muted", text: `#${job.id} ` }), h("span", { id: "job-name", text: job.name })),
-      stateBadge(job.state), job.cancel_requested && !FINAL.has(job.state) ? h("span", { class: "badge warn", text: "cancelling" }) : null);
+      jobBadge(job), job.cancel_requested && !FINAL.has(job.state) ? h("span", { class: "badge warn", text: "cancelling" }) : null);
     const fact = (k, v) => (v === null || v === undefined || v === "" ? null : [h("dt", { text: k }), h("dd", {}, v)]);
     replace(facts,
       fact("Command", h("code", { text: (job.command || []).join(" ") })),
@@ -113,7 +113,9 @@ export async function render(root, [id]) {
       fact("Waiting because", job.state === "QUEUED" ? job.pending_reason || "next when a slot frees"
         : job.state === "DISPATCHED" ? job.pending_reason : null),
       fact("Slurm job", job.slurm_job_id),
-      fact("Failure", job.failure_kind ? `${job.failure_kind}${job.exit_code !== null && job.exit_code !== undefined ? ` (exit ${job.exit_code})` : ""}${job.message ? ` — ${job.message}` : ""}` : null),
+      fact("Stopped", isStopped(job) ? `${job.end}: ${(job.stop_reason || {}).message || ""}` : null),
+      fact("Sweep", job.sweep_id ? h("a", { href: `#/sweeps/${job.sweep_id}`, text: `sweep #${job.sweep_id}${job.config && job.config.sweep ? `, trial ${job.config.sweep.trial}` : ""}` }) : null),
+      fact("Failure", job.failure_kind && !isStopped(job) ? `${job.failure_kind}${job.exit_code !== null && job.exit_code !== undefined ? ` (exit ${job.exit_code})` : ""}${job.message ? ` — ${job.message}` : ""}` : null),
       fact("Submitted", fmtTime(job.created_at)),
       fact("Ran", job.started_at ? `${fmtTime(job.started_at)} · ${fmtDuration(job.started_at, job.ended_at)}` : null),
       fact("Env", Object.keys(job.env || {}).length ? h("code", { text: Object.entries(job.env).map(([k, v]) => `${k}=${v}`).join(" ") }) : null),

@@ -1,7 +1,7 @@
 // Jobs: a filterable list (state, project, node, text), refreshed when the cluster changes.
 
 import { api, canWrite } from "../api.js";
-import { h, replace, fmtAgo, fmtDuration, stateBadge, debounce } from "../dom.js";
+import { h, replace, fmtAgo, fmtDuration, jobBadge, isStopped, debounce } from "../dom.js";
 import { live } from "../live.js";
 
 const STATES = ["QUEUED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED"];
@@ -42,7 +42,8 @@ export async function render(root, _params, query) {
     replace(body, shown.length ? shown.map((j) => h("tr", { "data-job": j.id },
       h("td", {}, h("a", { href: `#/jobs/${j.id}` }, h("span", { class: "muted", text: `#${j.id} ` }), h("span", { class: "job-name", text: j.name })),
         j.pending_reason ? h("div", { class: "why small", text: j.pending_reason }) : null),
-      h("td", {}, stateBadge(j.state), j.failure_kind ? h("span", { class: "muted small", text: ` ${j.failure_kind}` }) : null),
+      h("td", {}, jobBadge(j), isStopped(j) ? h("span", { class: "muted small", text: ` ${(j.end || "").replace(/^[^(]*/, "")}` })
+        : j.failure_kind ? h("span", { class: "muted small", text: ` ${j.failure_kind}` }) : null),
       h("td", { text: j.experiment ? `${j.project} / ${j.experiment}` : j.project }),
       h("td", { text: j.node || "" }),
       h("td", { class: "num", text: j.cpu_only ? "CPU" : String(j.gpus) }),

@@ -2,7 +2,7 @@
 // markers, checkpoints with evaluate and the recommendation where the server has them.
 
 import { api, optional, canWrite } from "../api.js";
-import { h, replace, fmtTime, fmtDuration, fmtNum, stateBadge, confirmAction } from "../dom.js";
+import { h, replace, fmtTime, fmtDuration, fmtNum, stateBadge, jobBadge, isStopped, confirmAction } from "../dom.js";
 import { live } from "../live.js";
 import { MetricChart, PALETTE, seriesSource, xAxisPref, setXAxisPref } from "../chart.js";
 import { eventRow } from "./events.js";
@@ -45,9 +45,19 @@ export async function render(root, [id]) {
   });
 
   let currentRun = run;
+  // An early stop or a stop on an event is the job's (gpuplane/states.py): the run shows it
+  // as its end, not as a cancel. Looked up once the run has ended CANCELLED.
+  let stoppedJob = null;
+  async function lookUpStop() {
+    if (currentRun.state !== "CANCELLED" || !currentRun.job_id || stoppedJob) return;
+    const job = await api(`/jobs/${currentRun.job_id}`).catch(() => null);
+    if (job && isStopped(job) && job.attempt === currentRun.attempt) { stoppedJob = job; drawHead(); }
+  }
   function drawHead() {
     const r = currentRun;
-    replace(head, h("h1", {}, h("span", { class: "muted", text: `run #${r.id} ` }), h("span", { text: r.name || `${r.project}` })), stateBadge(r.state));
+    const sweep = r.config && r.config.sweep && typeof r.config.sweep === "object" ? r.config.sweep : null;
+    replace(head, h("h1", {}, h("span", { class: "muted", text: `run #${r.id} ` }), h("span", { text: r.name || `${r.project}` })),
+      stoppedJob ? jobBadge(stoppedJob) : stateBadge(r.state));
     const fact = (k, v) => (v === null || v === undefined || v === "" ? null : [h("dt", { text: k }), h("dd", {}, v)]);
     const cfg = r.config && Object.keys(r.config).length ? h("code", { text: Object.entries(r.config).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ") }) : null;
     replace(facts,
@@ -55,8 +65,10 @@ export async function render(root, [id]) {
       fact("Source", r.source),
       fact("Project", r.experiment ? `${r.project} / ${r.experiment}` : r.project),
       fact("Node", r.node ? `${r.node}${r.gpu_indices && r.gpu_indices.length ? ` · GPU ${r.gpu_indices.join(", ")}` : ""}` : null),
+      fact("Sweep", sweep ? h("a", { href: `#/sweeps/${sweep.id}`, id: "run-sweep", text: `sweep #${sweep.id}, trial ${sweep.trial}` }) : null),
       fact("Config", cfg),
-      fact("Failure", r.failure_kind ? `${r.failure_kind}${r.exit_code !== null && r.exit_code !== undefined ? ` (exit ${r.exit_code})` : ""}` : null),
+      fact("Stopped", stoppedJob ? `${stoppedJob.end}: ${(stoppedJob.stop_reason || {}).message || ""}` : null),
+      fact("Failure", r.failure_kind && !stoppedJob ? `${r.failure_kind}${r.exit_code !== null && r.exit_code !== undefined ? ` (exit ${r.exit_code})` : ""}` : null),
       fact("Started", r.started_at ? `${fmtTime(r.started_at)} · ${fmtDuration(r.started_at, r.ended_at)}` : fmtTime(r.created_at)));
   }
 
@@ -141,6 +153,7 @@ export async function render(root, [id]) {
     h("section", {}, h("h2", { text: "Checkpoints" }), ckptEl),
     h("section", {}, h("h2", { text: "Events" }), eventsEl));
   drawHead();
+  lookUpStop();
   drawKeys(summary.keys);
   drawVerdict();
   for (const k of summary.keys) ensureChart(k.key);
@@ -163,6 +176,7 @@ export async function render(root, [id]) {
       const ended = d.run.state !== currentRun.state;
       currentRun = d.run;
       drawHead();
+      if (ended) lookUpStop();
       if (ended) drawVerdict();
     }
     const fresh = d.tips || {};

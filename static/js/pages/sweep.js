@@ -5,8 +5,10 @@ import { api, canWrite } from "../api.js";
 import { h, replace, fmtNum, stateBadge, confirmAction } from "../dom.js";
 import { live } from "../live.js";
 
-const COLOURS = { SUCCEEDED: "--ok", EARLY_STOPPED: "--warn", STOPPING: "--warn", FAILED: "--bad",
-  RUNNING: "--accent", CANCELLED: "--muted" };
+const COLOURS = { SUCCEEDED: "--ok", EARLY_STOPPED: "--warn", STOPPED_ON_EVENT: "--bad", STOPPING: "--warn",
+  FAILED: "--bad", RUNNING: "--accent", CANCELLED: "--muted" };
+const STOPPED = new Set(["EARLY_STOPPED", "STOPPED_ON_EVENT", "STOPPING"]);
+const FINAL = new Set(["DONE", "STOPPED", "CANCELLED"]);
 
 function colour(state) {
   const name = COLOURS[state] || "--muted";
@@ -19,11 +21,12 @@ export async function render(root, [id]) {
   const pick = h("select", { id: "scatter-param", "aria-label": "Parameter", onchange: () => plot() });
   const canvas = h("canvas", { id: "scatter", width: 640, height: 320, role: "img",
     "aria-label": "parameter against the metric, one dot per trial" });
+  const legend = h("div", { class: "legend small", id: "scatter-legend" });
   const body = h("tbody", { id: "trials-body" });
   const table = h("table", { class: "table trials" }, h("thead", {}, h("tr", { id: "trials-head" })), body);
   root.append(head, facts,
     h("section", { class: "card" }, h("h2", { text: "Parameter against the metric" }),
-      h("div", { class: "row" }, h("label", { text: "x: " }, pick)), h("div", { class: "scroll-x" }, canvas)),
+      h("div", { class: "row" }, h("label", { text: "x: " }, pick)), h("div", { class: "scroll-x" }, canvas), legend),
     h("section", {}, h("h2", { text: "Trials" }), h("div", { class: "scroll-x" }, table)));
   const rec = h("div", { class: "card", id: "sweep-recommend" });
   root.insertBefore(rec, facts.nextSibling);
@@ -58,7 +61,9 @@ export async function render(root, [id]) {
         h("strong", { text: m.key || "none yet" }), m.direction ? ` (${m.direction}, from the ${m.from})` : ""),
       s.early_stopping ? h("p", { class: "muted", text: "early stopping: " + Object.entries(s.early_stopping).map(([k, v]) => `${k} ${v}`).join(", ") }) : null,
       s.stop_reason ? h("p", { class: "notice error", id: "stop-reason", text: `stopped: ${s.stop_reason}` }) : null,
-      b ? h("p", { id: "best" }, "best so far: ", h("a", { href: `#/runs/${b.run_id}`, text: `trial ${b.trial}` }),
+      Object.keys(s.trial_states || {}).length ? h("p", { id: "trial-counts", class: "muted" }, "trials: " + Object.entries(s.trial_states).map(([k, n]) => `${n} ${k.toLowerCase().replaceAll("_", "-")}`).join(", ")) : null,
+      !b && s.best_missing ? h("p", { id: "best", class: "muted" }, `best: none (${s.best_missing})`) : null,
+      b ? h("p", { id: "best" }, FINAL.has(s.state) ? "best: " : "best so far: ", h("a", { href: `#/runs/${b.run_id}`, text: `trial ${b.trial}` }),
         ` ${m.key} = ${fmtNum(b.value)} at step ${b.step} · ` + Object.entries(b.params).map(([k, v]) => `${k}=${v}`).join(" ")) : null);
     const names = Object.keys(s.parameters);
     if (!pick.options.length) replace(pick, names.map((n) => h("option", { value: n, text: n })));
@@ -114,14 +119,30 @@ export async function render(root, [id]) {
     const ticks = categorical ? cats.map((c, i) => [i, c]) : [x0, (x0 + x1) / 2, x1].map((v) => [v, fmtNum(log ? 10 ** v : v)]);
     for (const [v, label] of ticks) g.fillText(label, px(v), H - B + 14);
     g.fillText(`${name}${log ? " (log scale)" : ""}`, L + (W - L - R) / 2, H - 4);
+    // the y axis: the metric that decides, and which way is better
+    const m = s.metric || {};
+    g.save();
+    g.translate(12, T + (H - T - B) / 2);
+    g.rotate(-Math.PI / 2);
+    g.fillStyle = fg;
+    g.fillText(`${m.key || "value"}${m.direction ? ` (${m.direction === "min" ? "lower" : "higher"} is better)` : ""}`, 0, 0);
+    g.restore();
     for (const p of pts) {
       const cx = px(fx(p.x)), cy = py(p.y);
       g.beginPath();
-      g.fillStyle = colour(p.state);
       g.arc(cx, cy, s.best && s.best.trial === p.trial ? 6 : 4, 0, 2 * Math.PI);
-      g.fill();
+      if (STOPPED.has(p.state)) {     // a stopped trial: a ring (its value is where it stopped)
+        g.strokeStyle = colour(p.state); g.lineWidth = 2; g.stroke(); g.lineWidth = 1;
+      } else {
+        g.fillStyle = colour(p.state); g.fill();
+      }
       window.gpuplane.sweep.points.push({ trial: p.trial, x: p.x, y: p.y, cx, cy, state: p.state });
     }
+    const seen = [...new Set(pts.map((p) => p.state))];
+    replace(legend, seen.map((st) => h("span", { class: "legend-item", "data-state": st },
+      h("span", { class: STOPPED.has(st) ? "dot ring" : "dot", style: `${STOPPED.has(st) ? "border-color" : "background"}: ${colour(st)}` }),
+      ` ${st.toLowerCase().replaceAll("_", "-")} `)),
+      s.best ? h("span", { class: "legend-item muted" }, " · the larger dot is the best trial") : null);
   }
 
   await load();
