@@ -63,15 +63,20 @@ def run_arm(s, url, work, arm, args, tag):
     view = wait(lambda: (v := s.get(f"{url}/api/v1/sweeps/{sweep_id}", timeout=30).json())
                 ["state"] != "RUNNING" and v, what=f"sweep {sweep_id}")
     wall = time.monotonic() - t0
-    steps, stopped = 0, 0
+    steps, stopped, mislabelled = 0, 0, 0
+    full = args.epochs * 50
     for t in view["trials_detail"]:
         keys = s.get(f"{url}/api/v1/runs/{t['run_id']}/metrics", timeout=30).json()["keys"]
         last = {k["key"]: k["last_step"] for k in keys}
         steps += last.get("train/loss") or 0
         stopped += t["state"] == "EARLY_STOPPED"
+        # a trial that ran to its end and exited 0 on its own, labelled stopped anyway
+        job = s.get(f"{url}/api/v1/jobs/{t['job_id']}", timeout=30).json()
+        mislabelled += (t["state"] == "EARLY_STOPPED" and job.get("exit_code") == 0
+                        and (last.get("train/loss") or 0) >= full)
     best = view["best"]
     return {"arm": arm, "state": view["state"], "wall": wall, "steps": steps,
-            "stopped": stopped, "best_trial": best and best["trial"],
+            "stopped": stopped, "mislabelled": mislabelled, "best_trial": best and best["trial"],
             "best_lr": best and best["params"]["lr"], "best_value": best and best["value"]}
 
 
@@ -79,7 +84,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--step-delay", type=float, default=0.03)
+    ap.add_argument("--step-delay", type=float, default=0.03,
+                    help="0 makes each trial end before a decision can reach it: the "
+                         "check that no trial that ended first is labelled stopped")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--arms", default="none,asha,median")
@@ -111,7 +118,8 @@ def main():
                 res["round"] = rnd
                 results.append(res)
                 print(f"round {rnd} {arm:6s} {res['state']:5s} wall {res['wall']:6.1f} s  "
-                      f"trial-steps {res['steps']:5d}  stopped {res['stopped']:2d}  best trial "
+                      f"trial-steps {res['steps']:5d}  stopped {res['stopped']:2d} "
+                      f"(ended first yet stopped: {res['mislabelled']})  best trial "
                       f"{res['best_trial']} (lr {res['best_lr']}, val/loss "
                       f"{res['best_value']:.4f})  load {os.getloadavg()[0]:.2f}", flush=True)
     finally:

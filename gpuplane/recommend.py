@@ -106,7 +106,7 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
     best.update(scope=scope, metric=metric, candidates=len(cands),
                 evaluated=sum(1 for c in cands if c["evaluation"] is not None))
     best["next_actions"] = _workable(db, best.get("next_actions") or [], key, project,
-                                     experiment, sweep)
+                                     experiment, sweep, scope)
     if metric["primary_from"] == "guess":
         best["next_actions"] = list(best.get("next_actions") or []) + [semantic.action(
             "set_primary_metric", "no primary metric is defined for this scope; "
@@ -115,34 +115,49 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
     return best
 
 
-def _workable(db, acts, key, project, experiment, sweep=None):
-    """The recommendation's next actions, each one that can work as given: never itself
-    (the same question asked again), an evaluation only with a command to run — where the
-    training job has none, the action says how to give one (on the call, or on the sweep or
-    job) — and with the metric the scope's evaluations actually log."""
+def _scope_arguments(scope):
+    """get_best_checkpoint's arguments for the same scope: the sweep, else the run, else
+    the project and experiment."""
+    for one in ("sweep_id", "run_id"):
+        if scope.get(one) is not None:
+            return {one: scope[one]}
+    return {k: scope[k] for k in ("project", "experiment") if scope.get(k)}
+
+
+def _workable(db, acts, key, project, experiment, sweep=None, scope=None):
+    """The recommendation's next actions, each one that can work as given: never the
+    same question again; no evaluation of a checkpoint already evaluated; an evaluation
+    only with a command to run — where the training job has none, the action says how to
+    give one (on the call, or the sweep's or job's eval_command) and marks `command` to
+    fill in; and where the scope's evaluations log another metric than `key`, the same
+    recommendation ranked by that metric (the one of the same base, eval/loss for
+    val/loss, when there is one)."""
     acts = [a for a in acts if a["tool"] != "get_best_checkpoint"]
-    ids = [a["arguments"]["checkpoint_id"] for a in acts if a["tool"] == "evaluate_checkpoint"]
-    if not ids:
-        return acts
-    commands = checkpoints.eval_commands(db, ids)
     logged = [k for k, _ in checkpoints.evaluated_keys(db, project or "", experiment)]
-    where = (f"create the sweep with eval_command (`gpuplane sweep create ... "
-             f"--eval-command 'python eval.py'`)" if sweep is not None else
-             "submit the training job with eval_command (`--eval-command 'python eval.py'`)")
     out = []
+    if logged and key not in logged:
+        alt = next((k for k in logged if vocab.base(k) == vocab.base(key)),
+                   next((k for k in logged if vocab.is_loss(k) == vocab.is_loss(key)),
+                        logged[0]))
+        out.append(semantic.action(
+            "get_best_checkpoint", f"the evaluations here log {', '.join(logged[:4])}, not "
+            f"{key}: rank by what they measured", key=alt,
+            **_scope_arguments(scope or {})))
+    ids = [a["arguments"]["checkpoint_id"] for a in acts if a["tool"] == "evaluate_checkpoint"]
+    commands = checkpoints.eval_commands(db, ids) if ids else {}
+    where = ("create the sweep with eval_command (`gpuplane sweep create ... "
+             "--eval-command 'python eval.py'`)" if sweep is not None else
+             "submit the training job with eval_command (`--eval-command 'python eval.py'`)")
     for a in acts:
         if a["tool"] == "evaluate_checkpoint":
+            cid = a["arguments"]["checkpoint_id"]
+            if checkpoints.latest_results(db, cid) is not None:
+                continue            # evaluated already (by another metric than key)
             a = dict(a, arguments=dict(a["arguments"]))
-            why = a["why"]
-            if logged and key not in logged:
-                why = (f"evaluate it; this scope's evaluations log {', '.join(logged[:3])}, "
-                       f"not {key}: rank by it with get_best_checkpoint key="
-                       f"{logged[0]!r}")
-            if not commands.get(a["arguments"]["checkpoint_id"]):
-                why += (" — its job has no evaluation command: give `command` on this call "
-                        f"(e.g. ['python', 'eval.py']), or {where}")
+            if not commands.get(cid):
+                a["why"] += (" — its job has no evaluation command: give `command` on this "
+                             f"call (e.g. ['python', 'eval.py']), or {where}")
                 a["arguments"]["command"] = "<the command that evaluates one checkpoint>"
-            a["why"] = why
         out.append(a)
     return out
 

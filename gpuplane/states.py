@@ -91,8 +91,9 @@ def why_not_succeeded(job):
     """The platform's own sentence on why a job did not succeed ("working dir does not
     exist on this host: /x", "command not found: pythn", "node gpu1 lost"), or None.
     `job show`, `logs`, `explain` (explain_failure) and the dashboard say this one."""
-    if job.get("state") == SUCCEEDED:
-        return None
+    if job.get("state") == SUCCEEDED or (job.get("state") == CANCELLED
+                                         and stop_label(job.get("stop_reason"))):
+        return None         # a stop says its own why (stop_label and its sentence)
     return job.get("message") or None
 
 

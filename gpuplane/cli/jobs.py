@@ -401,7 +401,10 @@ def cmd_job_show(args):
         print_table([[a.get("attempt"), a.get("run_id"), a.get("state"), a.get("node"),
                       gpu_list(a.get("gpu_indices"))]
                      + ([a.get("slurm_job_id")] if slurm else [])
-                     + [a.get("exit_code"), a.get("failure_kind"), clock(a.get("started_at")),
+                     + [a.get("exit_code"),
+                        # the attempt a stop ended says the stop, as the job does
+                        job["failure_kind"] if stop and a.get("attempt") == job.get("attempt")
+                        else a.get("failure_kind"), clock(a.get("started_at")),
                         duration(a.get("started_at"), a.get("ended_at"))]
                      for a in attempts],
                     ["ATTEMPT", "RUN", "STATE", "NODE", "GPUS"] + (["SLURM"] if slurm else [])

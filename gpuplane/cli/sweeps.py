@@ -46,6 +46,12 @@ def add_parser(subparsers):
     p.add_argument("--env", type=env_pair, action="append", default=[], metavar="K=V")
     p.add_argument("--watch", dest="watch_dir", metavar="DIR",
                    help="checkpoint directory to watch (relative to the working dir)")
+    p.add_argument("--tb-dir", dest="tb_dir", metavar="DIR",
+                   help="each trial's TensorBoard dir, e.g. tb/{trial} (relative to the "
+                        "working dir)")
+    p.add_argument("--eval-command", dest="eval_command", metavar="CMD",
+                   help="how to evaluate one trial's checkpoint (run through /bin/sh -c by "
+                        "`gpuplane ckpt evaluate ID`, with $GPUCTL_CHECKPOINT_PATH set)")
     p.add_argument("--keep-best", type=int, metavar="K",
                    help="checkpoint retention per trial: the best K by the metric")
     p.add_argument("--keep-last", type=int, metavar="L",
@@ -124,7 +130,7 @@ def build_spec(args):
         base_dir = os.path.dirname(os.path.abspath(args.file))
     for key in ("name", "trials", "seed", "parallel", "gpus", "cpu_only", "priority",
                 "max_attempts", "metric", "direction", "project", "experiment", "watch_dir",
-                "working_dir"):
+                "tb_dir", "eval_command", "working_dir"):
         v = getattr(args, key, None)
         if v is not None:
             spec[key] = v
