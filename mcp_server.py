@@ -520,7 +520,8 @@ class Gpuplane:
                 "waited_s": round(time.monotonic() - start, 2), "first_ended": first,
                 "pending": pending, "summary": summary, "findings": findings, "event": ev,
                 "next_actions": (na.after_event(ev, rows) if ev else [])
-                + na.after_jobs(rows, pending, timeout_s, mode, until)}
+                # waiting on after an event: for the end (the same event would return at once)
+                + na.after_jobs(rows, pending, timeout_s, mode, "end" if ev else until)}
 
     def _last_event_id(self, job_id):
         evs = self.client.list_events(job=job_id, limit=1)["events"]
@@ -609,7 +610,7 @@ class Gpuplane:
                               "pick the best checkpoint from")
         data = self.client.recommend_checkpoint(run=run_id, experiment=experiment,
                                                 project=project, key=key, sweep=sweep_id)
-        data.setdefault("reason", "")
+        data["reason"] = _in_mcp_words(data.get("reason") or "")
         data.setdefault("next_actions", [])
         return data
 
@@ -632,6 +633,9 @@ _CLI_TO_TOOL = [
      "set_primary_metric with project and experiment"),
     (r"`gpuplane ckpt evaluate (\d+) -- python eval.py`",
      lambda m: f"evaluate_checkpoint with checkpoint_id={m[1]} and command=[...]"),
+    (r"`gpuplane sweep create \.\.\. --eval-command '([^']*)'`",
+     lambda m: f"create_sweep with eval_command='{m[1]}'"),
+    (r"\(`--eval-command '([^']*)'`\)", lambda m: f"(submit_job's eval_command='{m[1]}')"),
     (r"--eval-command", "eval_command"),
     (r"the CLI's -d \"\$PWD/\.\.\.\" gives one",
      "give the project's directory from / (e.g. '/home/me/project')"),

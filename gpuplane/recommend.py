@@ -105,8 +105,10 @@ def recommend(db, *, run_id=None, project=None, experiment=None, key=None, sweep
             pick["evaluation"] = {k: _encode(v) for k, v in results.items()}
     best.update(scope=scope, metric=metric, candidates=len(cands),
                 evaluated=sum(1 for c in cands if c["evaluation"] is not None))
-    best["next_actions"] = _workable(db, best.get("next_actions") or [], key, project,
-                                     experiment, sweep, scope)
+    best["next_actions"], hint = _workable(db, best.get("next_actions") or [], key,
+                                           project, experiment, sweep, scope)
+    if hint:
+        best["reason"] = f"{best['reason']}; {hint}" if best.get("reason") else hint
     if metric["primary_from"] == "guess":
         best["next_actions"] = list(best.get("next_actions") or []) + [semantic.action(
             "set_primary_metric", "no primary metric is defined for this scope; "
@@ -125,13 +127,12 @@ def _scope_arguments(scope):
 
 
 def _workable(db, acts, key, project, experiment, sweep=None, scope=None):
-    """The recommendation's next actions, each one that can work as given: never the
-    same question again; no evaluation of a checkpoint already evaluated; an evaluation
-    only with a command to run — where the training job has none, the action says how to
-    give one (on the call, or the sweep's or job's eval_command) and marks `command` to
-    fill in; and where the scope's evaluations log another metric than `key`, the same
-    recommendation ranked by that metric (the one of the same base, eval/loss for
-    val/loss, when there is one)."""
+    """(the recommendation's next actions, a sentence or None): each action one that can
+    work as given — never the same question again; no evaluation of a checkpoint already
+    evaluated; an evaluation only where the training job has a command for it (where it
+    has none, the sentence says how to give one, on the call or on the sweep or job); and
+    where the scope's evaluations log another metric than `key`, the same recommendation
+    ranked by that metric (the one of the same base, eval/loss for val/loss, if any)."""
     acts = [a for a in acts if a["tool"] != "get_best_checkpoint"]
     logged = [k for k, _ in checkpoints.evaluated_keys(db, project or "", experiment)]
     out = []
@@ -145,21 +146,26 @@ def _workable(db, acts, key, project, experiment, sweep=None, scope=None):
             **_scope_arguments(scope or {})))
     ids = [a["arguments"]["checkpoint_id"] for a in acts if a["tool"] == "evaluate_checkpoint"]
     commands = checkpoints.eval_commands(db, ids) if ids else {}
-    where = ("create the sweep with eval_command (`gpuplane sweep create ... "
-             "--eval-command 'python eval.py'`)" if sweep is not None else
-             "submit the training job with eval_command (`--eval-command 'python eval.py'`)")
+    lacking = []
     for a in acts:
         if a["tool"] == "evaluate_checkpoint":
             cid = a["arguments"]["checkpoint_id"]
             if checkpoints.latest_results(db, cid) is not None:
                 continue            # evaluated already (by another metric than key)
-            a = dict(a, arguments=dict(a["arguments"]))
             if not commands.get(cid):
-                a["why"] += (" — its job has no evaluation command: give `command` on this "
-                             f"call (e.g. ['python', 'eval.py']), or {where}")
-                a["arguments"]["command"] = "<the command that evaluates one checkpoint>"
+                lacking.append(cid)     # a call without a command would be refused
+                continue
         out.append(a)
-    return out
+    hint = None
+    if lacking:
+        where = ("create the sweep with an evaluation command (`gpuplane sweep create ... "
+                 "--eval-command 'python eval.py'`)" if sweep is not None else
+                 "submit the training job with one (`--eval-command 'python eval.py'`)")
+        hint = (f"to rank on held-out data, evaluate checkpoint(s) "
+                f"{', '.join(map(str, lacking))}: their jobs have no evaluation command, so "
+                f"give it with the evaluation (`gpuplane ckpt evaluate {lacking[0]} -- "
+                f"python eval.py`), or {where}")
+    return out, hint
 
 
 def overlay(db, run_ids, key, max_points=500):

@@ -199,3 +199,30 @@ def test_a_sweeps_trials_stop_on_nan_and_divergence_unless_it_says_otherwise(liv
     assert s["job"]["stop_on"] == []
     err = api.post("/api/v1/sweeps", {**body, "stop_on": ["NOPE"]}, expect=400)
     assert "unknown event type(s) NOPE" in json.dumps(err)
+
+
+def test_over_mcp_an_agent_waits_until_the_event_and_can_act_on_it(live_server, agent, work,
+                                                                   tmp_path):
+    from test_mcp import mcp_env, ok, session
+
+    async def body(call, client):
+        job = ok(await call("submit_job", command=[sys.executable, "diverge.py", "400"],
+                            working_dir=str(work), cpu_only=True))
+        got = ok(await call("wait_for_jobs", job_ids=[job["id"]], until="event",
+                            timeout_s=60))
+        assert got["event"]["type"] == "LOSS_DIVERGED" and got["reached"]
+        tools = [a["tool"] for a in got["next_actions"]]
+        assert tools[:2] == ["cancel_job", "diagnose_run"], tools
+        again = next(a for a in got["next_actions"] if a["tool"] == "wait_for_jobs")
+        assert "until" not in again["arguments"]      # the same event would return at once
+        ok(await call("cancel_job", job_id=job["id"]))
+        stopped = ok(await call("submit_job", command=[sys.executable, "diverge.py", "3000"],
+                                working_dir=str(work), cpu_only=True,
+                                stop_on=["LOSS_DIVERGED"]))
+        got = ok(await call("wait_for_jobs", job_ids=[stopped["id"]], timeout_s=60))
+        row = got["jobs"][0]
+        assert row["failure_kind"] == "STOPPED_ON_EVENT", row
+        assert row["end"].startswith("stopped on LOSS_DIVERGED (step ")
+        job = ok(await call("get_job", job_id=stopped["id"]))
+        assert job["end"] == row["end"]
+    session(mcp_env(live_server.url, live_server.token, tmp_path), body, in_process=True)
