@@ -274,7 +274,12 @@ class Lifecycle:
                 run_state = (states.SUCCEEDED if failure_kind is None else
                              states.CANCELLED if failure_kind == "CANCELLED" else
                              states.FAILED)
-                runs.finish(t.conn, run["id"], run_state, exit_code, failure_kind, ts)
+                # a run a stop ended says the stop (EARLY_STOPPED), as its job does
+                before = jobs.fetch(t.conn, job_id)
+                stop = ((before or {}).get("stop_reason") or {}).get("reason") \
+                    if failure_kind == "CANCELLED" and (before or {}).get("cancel_requested") \
+                    and (before or {}).get("attempt") == attempt else None
+                runs.finish(t.conn, run["id"], run_state, exit_code, stop or failure_kind, ts)
                 # The job's process is gone and what it wrote is in: its ingest token
                 # (one per start command) writes no more.
                 tokens.revoke_for_run(t.conn, run["id"])

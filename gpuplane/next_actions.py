@@ -219,7 +219,7 @@ CLI = {
         "project": "--project", "experiment": "--experiment", "tb_dir": "--tb-dir",
         "watch_dir": "--watch", "eval_command": ("--eval-command", "line"),
         "time_limit": "--time", "preemptible": {True: "--preemptible", False: "--no-preemptible"},
-        "command": "--"}, ()),
+        "stop_on": "--stop-on", "command": "--"}, ()),
     # `job wait` waits for the end, which is also past the start or any change
     "wait_for_job": ("job wait", ["job_id"], {}, ("timeout_s", "until")),
     "wait_for_jobs": ("job wait", ["job_ids"], {"mode": {"any": "--any", "all": None},

@@ -17,7 +17,8 @@ _BOOKKEEPING_WORDS = {"dir", "path", "file", "logdir", "log", "logs", "logging",
                       "root", "data", "dataset", "cache", "tb", "tensorboard", "wandb",
                       "device", "devices", "gpu", "gpus", "workers", "worker", "port", "host",
                       "verbose", "quiet", "print", "every", "interval", "name", "tag",
-                      "project", "experiment", "config", "delay"}
+                      "project", "experiment", "config", "delay",
+                      "sweep"}    # {"id", "trial"}: where a sweep's trial came from
 _PATH_LIKE = re.compile(r"^(/|\./|\.\./|~/)|/|\.(py|pt|pth|ckpt|bin|json|ya?ml|toml|txt|csv|"
                         r"npz|safetensors)$")
 _HYDRA = re.compile(r"^[+~]{0,2}([A-Za-z_][\w.-]*)=(.*)$", re.S)

@@ -96,7 +96,25 @@ BAD = [
     (["token", "create", "--name", "x", "--scope", "root"], "invalid choice: 'root'"),
     # `token create` without --name: tests/test_newcomer.py (--agent NODE names it)
     (["server", "--port", "70000"], "a port is 0-65535"),
+    # a mistyped command names the one meant
+    (["job", "sumbit", "--", "ls"], "did you mean: gpuplane job submit"),
+    (["sweeps", "list"], "did you mean: gpuplane sweep"),
 ]
+
+
+def test_version_is_printed(capsys):
+    from gpuplane import __version__
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"gpuplane {__version__}"
+
+
+def test_a_column_of_values_has_one_precision():
+    from gpuplane.cli.checkpoints import _column_format
+    fmt = _column_format([0.4182, 0.520878, 0.61])
+    assert [fmt(v) for v in (0.4182, 0.520878, 0.61)] == ["0.4182", "0.5209", "0.6100"]
+    fmt = _column_format([1234.5, 1234.25])
+    assert fmt(1234.5) != fmt(1234.25) and fmt(1234.5).startswith("1234.5")
 
 
 @pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) or "(none)" for a, _ in BAD])
@@ -133,6 +151,7 @@ def test_time_formatting():
     assert cli.ago(now * 1000 - 3 * 3_600_000, now) == "3h ago"
     assert cli.ago(None, now) is None
     assert cli.duration(1000, 46_000) == "45s"
+    assert cli.duration(1000, 1400) == "0.4s" and cli.duration(1000, 10_900) == "9.9s"
     assert cli.duration(0 + 1, 192_001) == "3m 12s"
     assert cli.duration(1, 3_720_001) == "1h 02m"
 

@@ -208,6 +208,8 @@ def _sample(name, field, n):
     if typing.get_origin(ann) in (typing.Union, getattr(__import__("types"), "UnionType")):
         kind = [a for a in typing.get_args(ann) if a is not type(None)][0]
     origin = typing.get_origin(kind)
+    if name == "stop_on":           # event types: the CLI checks them
+        return ["LOSS_NAN", "LOSS_DIVERGED"]
     if origin is typing.Literal:
         return [v for v in typing.get_args(kind) if v != field.default][0]
     if kind is bool:

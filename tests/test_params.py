@@ -22,6 +22,11 @@ def test_paths_and_bookkeeping_are_not_hyperparameters():
                           "log_every"}
 
 
+def test_a_trials_sweep_entry_is_bookkeeping():
+    p, other = params.split({"lr": 0.1, "sweep": {"id": 1, "trial": 2}})
+    assert p == {"lr": 0.1} and other == {"sweep": {"id": 1, "trial": 2}}
+
+
 def test_the_sdk_config_wins_and_joins_the_command_line():
     p, _ = params.split({"command": ["python", "t.py", "lr=0.1", "--seed", "3"],
                          "lr": 0.2, "hidden": 128, "out_dir": "/tmp/x"})

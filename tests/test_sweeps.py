@@ -275,6 +275,11 @@ def test_asha_from_a_toml_file_stops_the_worst_and_never_the_best(box, monkeypat
     assert all(c.get("deleted_at") is None for c in ck)
     shown = cli_run(box, monkeypatch, capsys, "sweep", "show", str(sweep_id)).out
     assert "best: trial 1" in shown and "EARLY_STOPPED" in shown and "ASHA rung" in shown
+    # the experiment's runs: a stopped trial says so, and which sweep trial each run is
+    table = cli_run(box, monkeypatch, capsys, "exp", "runs", "asha").out
+    row = next(line for line in table.splitlines() if f"asha #{t['number']} " in line)
+    assert "EARLY_STOPPED" in row and f"{sweep_id} #{t['number']}" in row
+    assert "{'id'" not in table and "CANCELLED" not in table
     assert "asha" in cli_run(box, monkeypatch, capsys, "sweep", "list").out
     rec = cli_run(box, monkeypatch, capsys, "ckpt", "recommend", "--sweep", str(sweep_id)).out
     assert "asha-1/step40.pt" in rec

@@ -11,11 +11,14 @@ Exit codes (docs/cli.md):
   3  the followed job ended CANCELLED
   4  cannot reach the server
   5  the followed job ended FAILED
+  6  job wait --until-event: a critical event came first
   130 interrupted (Ctrl-C)
 """
 
 import argparse
+import difflib
 import os
+import re
 import sys
 
 from . import (backups, checkpoints, common, completion, doctor, events, jobs, runs, semantic, status,
@@ -50,6 +53,7 @@ exit codes:
   3   a followed job ended CANCELLED
   4   cannot reach the server
   5   a followed job ended FAILED
+  6   `job wait --until-event`: a critical event was filed first
   124 `job wait --timeout S` passed before the jobs ended
   130 interrupted"""
 
@@ -66,6 +70,13 @@ class Parser(argparse.ArgumentParser):
             message += ("\nhint: put `--` before the job's command, so that its options "
                         "are its own: gpuplane job submit [options] -- python train.py "
                         "--epochs 3")
+        # `job sumbit`: argparse lists the choices; say which one was meant
+        m = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            if close:
+                message += f"\ndid you mean: {self.prog} {close[0]}"
         super().error(message)
 
 
@@ -84,6 +95,8 @@ def get_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common.add_global_options(parser, suppress=False)
+    from gpuplane import __version__      # a constant: no dependency is imported
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                 parser_class=Parser)
     for module in COMMANDS:

@@ -3,6 +3,7 @@ checkpoint registry and what decides between runs (docs/checkpoints.md)."""
 
 import argparse
 
+from ..states import STOP_REASONS
 from .common import (EXIT_ERROR, EXIT_OK, CliError, ago, command, id_type, make_client, note,
                      parents, print_json, print_next_actions, print_table)
 
@@ -168,6 +169,23 @@ def add_parser(subparsers):
 
 def _value(v):
     return f"{v:.6g}" if isinstance(v, float) else v
+
+
+def _column_format(values):
+    """One precision for a column of values (0.4182 beside 0.520878 reads as a
+    difference): the fewest decimals, up to 6 significant digits, that tell them apart."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return _value
+    import math
+    top = max(abs(v) for v in finite) or 1.0
+    lead = int(math.floor(math.log10(top)))
+    decimals = most = max(0, 5 - lead)              # 6 significant digits of the largest
+    for d in range(max(0, 3 - lead), most + 1):     # from 4 of them, until all differ
+        if len({round(v, d) for v in finite}) == len(set(finite)):
+            decimals = d
+            break
+    return lambda v: f"{v:.{decimals}f}" if isinstance(v, float) else v
 
 
 # -- ckpt ------------------------------------------------------------------------------------
@@ -412,17 +430,27 @@ def cmd_exp_runs(args):
         cols = [args.sort] + [c for c in cols if c != args.sort]
         runs = sorted(runs, key=lambda r: _order((r.get("params") or {}).get(args.sort)))
     rows = []
+    # a sweep's trials say which: "1 #2" (sweep 1, trial 2)
+    trials = {r["id"]: s for r in runs
+              if isinstance(s := (r.get("config") or {}).get("sweep"), dict)}
+    values = [v for r in runs for v in ((r.get("best_evaluated") or r.get("best") or {})
+                                        .get("value"),) if isinstance(v, float)]
+    fmt = _column_format(values)
     for r in runs:
         ev, tr = r.get("best_evaluated"), r.get("best")
         if ev:
-            best = (_value(ev["value"]), ev["step"], f"evaluation of checkpoint "
-                                                     f"{ev['checkpoint_id']}")
+            best = (fmt(ev["value"]), ev["step"], f"evaluation of checkpoint "
+                                                  f"{ev['checkpoint_id']}")
         else:
-            best = (tr and _value(tr["value"]), tr and tr["step"], tr and "training")
-        rows.append((r["id"], r["name"], r["state"], *best,
-                     *((r.get("params") or {}).get(c) for c in cols)))
+            best = (tr and fmt(tr["value"]), tr and tr["step"], tr and "training")
+        sweep = trials.get(r["id"])
+        stopped = r["state"] == "CANCELLED" and r.get("failure_kind") in STOP_REASONS
+        rows.append((r["id"], r["name"], r["failure_kind"] if stopped else r["state"], *best,
+                     *((r.get("params") or {}).get(c) for c in cols),
+                     *([f"{sweep.get('id')} #{sweep.get('trial')}" if sweep else ""]
+                       if trials else [])))
     print_table(rows, ("RUN", "NAME", "STATE", "BEST", "AT STEP", "FROM",
-                       *(c.upper() for c in cols)))
+                       *(c.upper() for c in cols), *(["SWEEP"] if trials else [])))
     return EXIT_OK
 
 

@@ -188,11 +188,15 @@ def ago(ms, now=None):
 
 
 def duration(start_ms, end_ms=None, now=None):
-    """'45s', '3m 12s', '1h 02m', '2d 03h' between two times (end: now)."""
+    """'0.4s', '45s', '3m 12s', '1h 02m', '2d 03h' between two times (end: now): tenths
+    under ten seconds, so a short job does not read "ran 0s"."""
     if not start_ms:
         return None
     end = end_ms / 1000 if end_ms else (time.time() if now is None else now)
-    s = max(0, int(end - start_ms / 1000))
+    exact = max(0.0, end - start_ms / 1000)
+    if exact < 10:
+        return f"{exact:.1f}s"
+    s = int(exact)
     if s < 60:
         return f"{s}s"
     if s < 3600:

@@ -228,6 +228,7 @@ def add_time_options(p, trials=False):
                         "and queue it again to resume from its last checkpoint (default: "
                         + ("on for trials)" if trials else "the project's, else off)"))
     p.add_argument("--stop-on", type=stop_on_arg, metavar="TYPES", dest="stop_on",
+                   action="extend",
                    help=f"end {whose} run at once on these events, e.g. LOSS_NAN,LOSS_DIVERGED "
                         "(it ends STOPPED_ON_EVENT, not as a failure of the program); "
                         + ("default LOSS_NAN,LOSS_DIVERGED, 'none' for none" if trials

@@ -103,3 +103,42 @@ def test_a_job_stopped_on_an_event_is_shown_as_stopped_not_cancelled(open_page, 
     page.wait_for_selector(".badge.s-stopped")
     assert "stopped on LOSS_DIVERGED" in page.inner_text("main")
     w.assert_clean()
+
+
+def test_first_hour_pages_say_what_they_show(open_page, cluster):
+    """The experiments page opens on the newest run's experiment; a job that never started
+    says why where its log would be; the run page's checkpoints show the ids that its
+    recommendation names."""
+    server, _agent, home = cluster
+    api = server.api
+    wd = home / "first-hour"
+    wd.mkdir(exist_ok=True)
+    (wd / "ck.py").write_text(
+        "from gpuctl import run\n"
+        "for s in (1, 2):\n"
+        "    run.log({'val/loss': 1.0 / s}, step=s)\n"
+        "    open(f'c{s}.pt', 'w').write('w')\n"
+        "    run.log_checkpoint(f'c{s}.pt', step=s)\n")
+    good = api.post("/api/v1/jobs", {"command": [sys.executable, "ck.py"], "cpu_only": True,
+                                     "working_dir": str(wd), "project": "fh",
+                                     "experiment": "newest"}, expect=201)
+    bad = api.post("/api/v1/jobs", {"command": ["true"], "cpu_only": True,
+                                    "working_dir": str(wd / "missing")}, expect=201)
+    for j in (good, bad):
+        wait_for(lambda j=j: api.job(j["id"])["state"] in ("SUCCEEDED", "FAILED"), 60,
+                 what=f"job {j['id']} to end")
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/experiments")
+    page.wait_for_selector("#x-group")
+    assert page.eval_on_selector("#x-group", "e => e.value") == "fh\u0000newest"
+    page.goto(server.url + f"/#/jobs/{bad['id']}")
+    page.wait_for_selector("#log-empty")
+    assert "working dir does not exist" in page.inner_text("#log-empty")
+    run_id = api.job(good["id"])["run_id"]
+    page.goto(server.url + f"/#/runs/{run_id}")
+    rec = page.wait_for_selector("#recommendation")
+    named = rec.get_attribute("data-checkpoint")
+    row = page.wait_for_selector(f"#checkpoint-table tr[data-checkpoint='{named}']")
+    assert f"#{named}" in row.inner_text()
+    w.assert_clean()

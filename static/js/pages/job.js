@@ -51,6 +51,7 @@ export async function render(root, [id]) {
       frag.appendChild(row);
       lineCount++;
     }
+    if (lines.length) { const empty = document.getElementById("log-empty"); if (empty) empty.remove(); }
     logEl.appendChild(frag);
     while (lineCount > MAX_LINES) {
       logEl.firstChild.remove();
@@ -136,7 +137,13 @@ export async function render(root, [id]) {
         h("td", { text: fmtTime(a.started_at) }),
         h("td", { text: fmtDuration(a.started_at, a.ended_at) })))))
       : h("p", { class: "muted", text: job.state === "QUEUED" ? "Not started yet." : "No attempts." }));
-    logState.textContent = FINAL.has(job.state) ? `ended (${job.state.toLowerCase()})` : job.state === "RUNNING" ? "live" : "";
+    logState.textContent = FINAL.has(job.state) ? `ended (${job.end || job.state.toLowerCase()})` : job.state === "RUNNING" ? "live" : "";
+    // An ended job without a line (it never started): say why where the lines would be.
+    const empty = document.getElementById("log-empty");
+    if (FINAL.has(job.state) && !lineCount && !empty) {
+      logEl.appendChild(h("p", { class: "muted", id: "log-empty",
+        text: `No log lines: job ${job.end || job.state.toLowerCase()}${job.message ? ` — ${job.message}` : ""}.` }));
+    }
   }
 
   async function cancel() {

@@ -256,7 +256,7 @@ async function loadCheckpoints(runId, el, msg) {
     list.length ? h("div", { class: "scroll-x" }, h("table", { class: "table", id: "checkpoint-table" },
       h("thead", {}, h("tr", {}, ["Checkpoint", "Step", "Epoch", "Size", "Metrics", "Evaluations", "Kept", ""].map((t) => h("th", { text: t })))),
       h("tbody", {}, list.map((c) => h("tr", { class: c.id === recId ? "recommended" : "", "data-checkpoint": c.id },
-        h("td", {}, h("code", { text: c.path }), c.id === recId ? [" ", h("span", { class: "badge ok", text: "recommended" })] : null),
+        h("td", {}, h("span", { class: "muted ckpt-id", text: `#${c.id} ` }), h("code", { text: c.path }), c.id === recId ? [" ", h("span", { class: "badge ok", text: "recommended" })] : null),
         h("td", { class: "num", text: c.step ?? "" }),
         h("td", { class: "num", text: c.epoch ?? "" }),
         h("td", { class: "num", text: fmtSize(c.size_bytes) }),
