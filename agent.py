@@ -12,7 +12,7 @@ Contents (the section headers below, in order):
     small helpers and the thread shape (Worker)
     outbox: one ordered, spooled, per-node sequence of records
     attempts: a job's files, environment, command, exit and log lines
-    launcher: attempts start through the shim; their process trees are stopped
+    launchers: one interface; a process starts through the shim, its tree is stopped
     containers: a job with an image runs under the same shim as `docker run` (docs/docker.md)
     Slurm: `--runner slurm` hands every start to sbatch (docs/slurm.md)
     hooks of a running attempt: log tail, TensorBoard, checkpoints
@@ -1110,7 +1110,7 @@ def split_log(data, skip, at_eof):
 class Attempt:
     """One (job, attempt): what the agent knows about it. The runner thread owns it and
     is the only one to read or write it, except for two flags its waiter thread sets
-    (Launcher._wait): `started` (the shim's line: the command runs) and `shim_gone` (EOF:
+    (ProcessLauncher._wait): `started` (the shim's line: the command runs) and `shim_gone` (EOF:
     the shim wrote `exit` or died). Each is a bool set once, from False to True, and the
     waiter wakes the runner after setting it; the runner only reads them."""
 
@@ -1127,6 +1127,9 @@ class Attempt:
         self.tb_dir = start.get("tb_dir")
         self.watch_dir = start.get("watch_dir")
         self.container = spec.get("container")   # a container's name, for image jobs
+        # which launcher runs it (LAUNCHERS): spec.json says since it records it
+        self.launcher_kind = spec.get("launcher") or ("docker" if self.container else None)
+        self.launcher = None              # set by the runner: that launcher
         self.resumed_from = spec.get("resumed_from")   # the checkpoint id it resumes from
         self.container_stop_sent = False
         self.scrubbed = False             # spec.json holds no secret (without_secrets)
@@ -1195,7 +1198,7 @@ class Attempt:
 
 
 # ---------------------------------------------------------------------------------------
-# launcher: attempts start through the shim; their process trees are stopped
+# launchers: one interface; a process starts through the shim, its tree is stopped
 # ---------------------------------------------------------------------------------------
 
 def shim_record(exec_record):
@@ -1206,7 +1209,35 @@ def shim_record(exec_record):
     return packed if len(packed) <= SHIM_RECORD_MAX else None
 
 
-class Launcher:
+# Every way of running an attempt is a launcher with one interface, chosen from one table
+# (LAUNCHERS, in the runner's section); the runner calls only these, never asks the kind:
+#
+#   kind                          its row in LAUNCHERS, and what spec.json records
+#   for_runner(runner)            -> the launcher for this agent, or None (not configured)
+#   takes(start)                  whether a start message is this launcher's
+#   exec_spec(start, env, path)   -> (exec record, more spec.json fields); ValueError:
+#                                 the attempt fails to dispatch, with that sentence
+#   pack(exec record)             -> bytes the launch carries, or None (then spec.json
+#                                 keeps the whole record, secrets and all, until it runs)
+#   launch(att, exec record, packed), adopt(att) (an attempt from before a restart)
+#   poll(now), due(now)           its own work each tick, and when it is next due
+#   alive(att)                    whether the attempt may still run (no `exit` expected yet)
+#   enforce_cancel(att, cancel)   -> True once nothing of the job is left
+#   classify(att, exit info)      -> the exit as the job saw it (a container's own code)
+#   clean(active), warm(), close()  leftovers of lost attempts; start and stop
+#
+# A new runner kind is one class here and one row in LAUNCHERS.
+
+def mark_stop_sent(att, cancel):
+    """Record in the attempt's `cancel` file when the stop went to a program still running
+    (SIGTERM to its group, `docker stop`, scancel): an exit 0 after it obeyed the stop, one
+    before it did not see it and keeps its own end (classify_exit)."""
+    if "term_at" not in cancel:
+        cancel["term_at"] = now_ms()
+        write_json_atomic(att.file("cancel"), cancel, private=True)
+
+
+class ProcessLauncher:
     """Starts attempts through the shim and stops their process trees (SIGTERM to the
     group, SIGKILL to it and every descendant seen once the grace period is over).
 
@@ -1216,12 +1247,49 @@ class Launcher:
     costs a message and a spawn, where a shim per job cost an interpreter start (15 to
     20 ms of CPU) and a forked one 3 to 4 ms."""
 
-    def __init__(self, kill_grace_s, wake, err_path=os.devnull):
+    kind = "process"
+
+    def __init__(self, kill_grace_s, wake, err_path=os.devnull, run_as=None):
         self.kill_grace_s = kill_grace_s
         self.wake = wake
         self.err_path = err_path
+        self.run_as = run_as        # (name, uid, gid, home, setpriv) or None
         self._server = None         # (Popen, socket) of this agent's shim
         self._retired = []          # shims we stopped handing jobs to (reaped when they end)
+
+    @classmethod
+    def for_runner(cls, runner):
+        if runner.slurm is not None:
+            return None
+        return cls(runner.kill_grace_s_setting, runner.poke,
+                   os.path.join(runner.jobs_dir, "shim.err"), runner.run_as)
+
+    def takes(self, start):
+        return True                 # what no other launcher takes
+
+    def exec_spec(self, start, env, path):
+        argv, exe = resolve_command(start.get("command"), start.get("working_dir"), env)
+        if self.run_as is not None:
+            argv, exe, env = as_user(self.run_as, argv, env)
+        return {"argv": argv, "executable": exe, "cwd": start["working_dir"], "env": env}, {}
+
+    def pack(self, exec_record):
+        return shim_record(exec_record)
+
+    def adopt(self, att):
+        pass                        # its pid and exit files say everything
+
+    def poll(self, now):
+        pass
+
+    def due(self, now):
+        return float("inf")
+
+    def classify(self, att, exit_info):
+        return exit_info
+
+    def clean(self, active):
+        pass
 
     def warm(self):
         """Start the shim if it is not running (the runner calls this at start, so the
@@ -1248,7 +1316,7 @@ class Launcher:
             if server[0].poll() is None:
                 self._retired.append(server[0])
 
-    def launch(self, att, packed):
+    def launch(self, att, exec_record, packed):
         """Hand the attempt to the shim with its exec record (`packed`: shim_record(); None:
         too big for one message, the shim reads it from spec.json) and the write end of a
         pipe: a line when the command runs and EOF once its exit is written both wake the
@@ -1305,7 +1373,8 @@ class Launcher:
     def close(self):
         self._retire()
 
-    def shim_alive(self, att):
+    def alive(self, att):
+        """While the shim that runs it is there (no `exit` written yet)."""
         if att.watched:
             return not att.shim_gone
         info = att.pid() or read_json(att.file("launch.json"))
@@ -1323,16 +1392,13 @@ class Launcher:
         """-> True once nothing of the job is left (or it never started)."""
         info = att.pid()
         if not info:
-            return not self.shim_alive(att) or read_json(att.file("exit")) is not None
+            return not self.alive(att) or read_json(att.file("exit")) is not None
         pgid = info["pid"]
         self._remember_tree(att, info)
         if not att.term_sent:
             att.term_sent = True
             if proc_alive(pgid, info.get("create_time")):
-                # when the signal went to a live program: an exit 0 after it obeyed the
-                # stop, one before it did not see it (classify_exit)
-                write_json_atomic(att.file("cancel"), dict(cancel, term_at=now_ms()),
-                                  private=True)
+                mark_stop_sent(att, cancel)
             _killpg(pgid, signal.SIGTERM)
         survivors = self._survivors(att, pgid)
         if not survivors:
@@ -1552,6 +1618,89 @@ class Docker:
         return exit_info
 
 
+class DockerLauncher:
+    """A job with an image: `docker run` under the shim (ProcessLauncher's, shared), and
+    the engine for what a process tree cannot tell — a cancel also stops the container, its
+    exit is the container's own (OOM-killed, or docker's "could not run"), and containers
+    of attempts this node no longer runs are removed."""
+
+    kind = "docker"
+
+    def __init__(self, docker, launchers, kill_grace_s):
+        self.docker = docker
+        self._launchers = launchers     # the runner's: the shim is its "process" launcher
+        self.kill_grace_s = kill_grace_s
+
+    @property
+    def process(self):
+        return self._launchers["process"]
+
+    @classmethod
+    def for_runner(cls, runner):
+        if runner.slurm is not None:
+            return None
+        return cls(runner.docker, runner.launchers, runner.kill_grace_s_setting)
+
+    def takes(self, start):
+        return bool(start.get("image") or self.docker.default_image)
+
+    def exec_spec(self, start, env, path):
+        job_id, attempt = start["job_id"], start["attempt"]
+        return (self.docker.exec_spec(start, env, start.get("image") or
+                                      self.docker.default_image),
+                {"container": self.docker.name(job_id, attempt)})
+
+    def pack(self, exec_record):
+        return self.process.pack(exec_record)
+
+    def launch(self, att, exec_record, packed):
+        self.process.launch(att, exec_record, packed)
+
+    def adopt(self, att):
+        pass
+
+    def poll(self, now):
+        pass
+
+    def due(self, now):
+        return float("inf")
+
+    def alive(self, att):
+        return self.process.alive(att)
+
+    def enforce_cancel(self, att, cancel):
+        if att.container and not att.container_stop_sent:
+            att.container_stop_sent = True
+            if self.process.alive(att):
+                mark_stop_sent(att, cancel)
+            self.docker.stop(att.container, self.kill_grace_s)
+        return self.process.enforce_cancel(att, cancel)
+
+    def classify(self, att, exit_info):
+        if not att.container:
+            return exit_info
+        if exit_info.get("failure_kind") == "LOST":
+            self.docker.remove(att.container)
+            return exit_info
+        return self.docker.classify(att.container, exit_info)
+
+    def clean(self, active):
+        """Containers of this node that belong to no attempt still running here (the
+        agent died before removing them, or their shim vanished) are removed."""
+        keep = {att.container for att in active.values() if att.container}
+        for name in self.docker.leftovers():
+            if name not in keep:
+                log.warning("removing container %s: no running attempt of this node owns it",
+                            name)
+                self.docker.remove(name)
+
+    def warm(self):
+        pass                        # the shim is ProcessLauncher's
+
+    def close(self):
+        pass
+
+
 # ---------------------------------------------------------------------------------------
 # Slurm: `--runner slurm` hands every start to sbatch (docs/slurm.md)
 # ---------------------------------------------------------------------------------------
@@ -1560,8 +1709,8 @@ class Docker:
 # compute nodes share), its state comes from one `squeue` call for all of this agent's
 # jobs, polled with backoff, and a cancel is scancel. Everything else (log tailing,
 # TensorBoard, checkpoints, the outbox) is the runner's, as for a local job: SlurmLauncher
-# stands in for Launcher, writing the attempt's `pid` file when Slurm runs the job and its
-# `exit` file when Slurm says it ended.
+# is the launcher of a Slurm agent, writing the attempt's `pid` file when Slurm runs the
+# job and its `exit` file when Slurm says it ended.
 #
 # Files of an attempt, besides the runner's: job.sh (the batch script) and slurm.json (the
 # Slurm job id; written with `submitting` before sbatch runs, so a crash in between is
@@ -1831,14 +1980,40 @@ def _write_quick(path, obj):
 
 
 class SlurmLauncher:
-    """Launcher's part for Slurm jobs: submit, follow the states, cancel. The runner
-    thread calls poll() at each tick; it runs squeue once when due, never per job.
+    """The launcher of a Slurm agent (--runner slurm): every start is an sbatch; follow the
+    states, cancel. The runner thread calls poll() at each tick; it runs squeue once when
+    due, never per job.
 
     sbatch waits for slurmctld's answer (tens of ms, more on a busy cluster), so a few
     submitter threads run it, each taking (attempt, exec record) from a queue and handing
     back (attempt, id or error); the runner thread alone touches the attempt, when it
     collects the answer. A queue of starts then costs what Slurm takes to accept them,
     not that times the runner's other work."""
+
+    kind = "slurm"
+
+    @classmethod
+    def for_runner(cls, runner):
+        if runner.slurm is None:
+            return None
+        launcher = cls(runner.slurm, runner.kill_grace_s_setting, runner.wake)
+        launcher.report = runner.reporter.queued_in_slurm
+        return launcher
+
+    def takes(self, start):
+        return True                 # a Slurm agent runs every job through Slurm
+
+    def exec_spec(self, start, env, path):
+        return self.slurm.exec_spec(start, env, path), {}
+
+    def pack(self, exec_record):
+        return None                 # sbatch reads the record from spec.json
+
+    def classify(self, att, exit_info):
+        return exit_info
+
+    def clean(self, active):
+        pass
 
     def __init__(self, slurm, kill_grace_s, wake, submitters=SLURM_SUBMITTERS):
         self.slurm = slurm
@@ -1921,7 +2096,7 @@ class SlurmLauncher:
                 # Slurm has no job of its name: it was never submitted; submit it now
                 log.info("job %s attempt %s was never submitted to Slurm; submitting it",
                          att.job_id, att.attempt)
-                self.launch(att, exec_record)
+                self.launch(att, exec_record, None)
             elif found is not None:
                 write_exit(att.dir, failure_kind="LOST", message="the agent stopped before "
                            "submitting it and its start is gone; retried as a new attempt")
@@ -1929,7 +2104,7 @@ class SlurmLauncher:
             self.pending[att.slurm_id] = att
         self.kick()
 
-    def launch(self, att, exec_record):
+    def launch(self, att, exec_record, packed=None):
         """Hand the attempt to a submitter; collect() takes its answer."""
         att.watched = True
         att.slurm_id = None
@@ -1968,7 +2143,7 @@ class SlurmLauncher:
             log.info("job %s attempt %s: Slurm job %s", att.job_id, att.attempt, slurm_id)
             self.kick()
 
-    def shim_alive(self, att):
+    def alive(self, att):
         """True while Slurm has not said the job ended (its `exit` file). The output file
         appears when the job starts on its node: then squeue is asked at once instead of
         at the end of its backoff."""
@@ -1992,6 +2167,7 @@ class SlurmLauncher:
             return True
         if not att.term_sent:
             att.term_sent = True
+            mark_stop_sent(att, cancel)     # Slurm ends it: whatever its exit code says
             if att.started:
                 self.slurm.scancel(slurm_id, "TERM")
             else:
@@ -2791,6 +2967,11 @@ class Reporter:
             self.outbox.append("job", fields)
 
 
+# How attempts run, by kind (the interface: the launcher section). In order: the first a
+# runner has that takes a start runs it; a runner has each whose for_runner() gives one.
+LAUNCHERS = {"slurm": SlurmLauncher, "docker": DockerLauncher, "process": ProcessLauncher}
+
+
 class Runner(Worker):
     name = "gpuplane-agent-runner"
     interval = RUNNER_ERROR_WAIT_S      # tick() says when it is due; this only after a failure
@@ -2813,12 +2994,14 @@ class Runner(Worker):
         self.inherited_env = inherited_environment(self.secrets)   # read once: it is fixed
         self.retention_days = retention_days
         self.slurm = slurm                 # a Slurm: every start is an sbatch (--runner slurm)
-        if slurm is not None:
-            self.launcher = SlurmLauncher(slurm, kill_grace_s, self.wake)
-            self.launcher.report = self.reporter.queued_in_slurm
-        else:
-            self.launcher = Launcher(kill_grace_s, self.poke,
-                                     os.path.join(self.jobs_dir, "shim.err"))
+        self.kill_grace_s_setting = kill_grace_s
+        # the launchers this agent has, in the table's order (the first that takes a
+        # start runs it)
+        self.launchers = {}
+        for kind, cls in LAUNCHERS.items():
+            launcher = cls.for_runner(self)
+            if launcher is not None:
+                self.launchers[kind] = launcher
         self._commands = collections.deque()
         self.lock = threading.Lock()       # guards only `view`: held to read or swap it
         self.view = {}                     # key -> facts of an attempt not finally reported
@@ -2832,7 +3015,20 @@ class Runner(Worker):
 
     @property
     def kill_grace_s(self):
-        return self.launcher.kill_grace_s
+        return self.kill_grace_s_setting
+
+    @property
+    def launcher(self):
+        """The agent's own launcher: the last of the table it has (the shim's, or Slurm's)."""
+        return list(self.launchers.values())[-1]
+
+    def launcher_for(self, start):
+        """The launcher that runs this start: the first of the table that takes it."""
+        return next(l for l in self.launchers.values() if l.takes(start))
+
+    def launcher_of(self, att):
+        """The launcher that ran an attempt (spec.json's record of it), else the agent's."""
+        return self.launchers.get(att.launcher_kind) or self.launcher
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -2852,23 +3048,14 @@ class Runner(Worker):
                 continue
             att = self._new_attempt(job_id, attempt, path)
             att.load_state(st)
-            if self.slurm is not None:
-                self.launcher.adopt(att)
+            att.launcher = self.launcher_of(att)
+            att.launcher.adopt(att)
             self.active[key] = att
             log.info("re-adopting job %s attempt %s (log offset %d, line %d)",
                      job_id, attempt, att.log.offset, att.log.line_no)
         self._publish()
-        self.remove_lost_containers()
-
-    def remove_lost_containers(self):
-        """Containers of this node that belong to no attempt still running here (the
-        agent died before removing them, or their shim vanished) are removed."""
-        keep = {att.container for att in self.active.values() if att.container}
-        for name in self.docker.leftovers():
-            if name not in keep:
-                log.warning("removing container %s: no running attempt of this node owns it",
-                            name)
-                self.docker.remove(name)
+        for launcher in self.launchers.values():
+            launcher.clean(self.active)        # leftovers of attempts no longer here
 
     def known(self):
         return self.dirs.known()
@@ -2912,15 +3099,17 @@ class Runner(Worker):
 
     def stop(self, timeout=10.0):
         super().stop(timeout)
-        self.launcher.close()       # after the join: no launch is under way
+        for launcher in self.launchers.values():
+            launcher.close()        # after the join: no launch is under way
 
     # -- the loop (runner thread) ----------------------------------------------------------
 
     def begin(self):
-        try:
-            self.launcher.warm()
-        except OSError as e:        # the first launch tries again
-            log.error("cannot start the shim: %s", e)
+        for launcher in self.launchers.values():
+            try:
+                launcher.warm()
+            except OSError as e:    # the first launch tries again
+                log.error("cannot start the %s launcher: %s", launcher.kind, e)
         return 0.0
 
     def tick(self):
@@ -2928,9 +3117,9 @@ class Runner(Worker):
         self._run_commands()
         now = time.monotonic()
         due = now + IDLE_WAKE_S
-        if self.slurm is not None:
-            self.launcher.poll(now)
-            due = min(due, self.launcher.due(now))
+        for launcher in self.launchers.values():
+            launcher.poll(now)
+            due = min(due, launcher.due(now))
         look_all, self._look_all = self._look_all, False
         for key, att in list(self.active.items()):
             if not (look_all or att.poked or now >= att.due):
@@ -3016,23 +3205,15 @@ class Runner(Worker):
         if resume is not None:
             env.update(resume_environment(resume))
             spec["resumed_from"] = resume["checkpoint_id"]
-        image = msg.get("image") or self.docker.default_image
+        launcher = self.launcher_for(msg)
+        spec["launcher"] = launcher.kind
         try:
             for need in msg.get("require_paths") or []:
                 if not os.path.exists(need):
                     raise ValueError(f"{need} does not exist on this host (deleted or moved?); "
                                      "nothing to run against")
-            if self.slurm is not None:
-                spec["exec"] = self.slurm.exec_spec(msg, env, path)
-            elif image:
-                spec["exec"] = self.docker.exec_spec(msg, env, image)
-                spec["container"] = self.docker.name(job_id, attempt)
-            else:
-                argv, exe = resolve_command(msg.get("command"), msg.get("working_dir"), env)
-                if self.run_as is not None:
-                    argv, exe, env = as_user(self.run_as, argv, env)
-                spec["exec"] = {"argv": argv, "executable": exe,
-                                "cwd": msg["working_dir"], "env": env}
+            spec["exec"], more = launcher.exec_spec(msg, env, path)
+            spec.update(more)
         except ValueError as e:
             spec["exec"] = None
             write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
@@ -3041,7 +3222,7 @@ class Runner(Worker):
             log.warning("job %s attempt %s not started: %s", job_id, attempt, e)
             packed = None
         else:
-            packed = shim_record(spec["exec"]) if self.slurm is None else None
+            packed = launcher.pack(spec["exec"])
             if packed is not None:
                 # The shim gets the exec record in its message: spec.json goes without
                 # secrets from the start (nothing to scrub once it runs), and without an
@@ -3054,13 +3235,11 @@ class Runner(Worker):
                 # outlives a power cut of this host): kept whole until it runs
                 write_json_atomic(os.path.join(path, "spec.json"), spec, private=True)
         att = self._new_attempt(job_id, attempt, path, spec)
+        att.launcher = launcher
         att.scrubbed = packed is not None
         self.active[key] = att
         if spec["exec"] is not None:
-            if self.slurm is not None:
-                self.launcher.launch(att, spec["exec"])
-            else:
-                self.launcher.launch(att, packed)
+            launcher.launch(att, spec["exec"], packed)
         self._look(att)
         if att.final:
             del self.active[key]
@@ -3127,14 +3306,11 @@ class Runner(Worker):
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
         cancel = read_json(att.file("cancel"))
-        if cancel is not None and att.container and not att.container_stop_sent:
-            att.container_stop_sent = True
-            self.docker.stop(att.container, self.kill_grace_s)
-        if cancel is not None and not self.launcher.enforce_cancel(att, cancel):
+        if cancel is not None and not att.launcher.enforce_cancel(att, cancel):
             return now + RECHECK_S      # inside the grace period with survivors
         exit_info = read_json(att.file("exit"))
         if exit_info is None:
-            if self.launcher.shim_alive(att) or att.command_alive():
+            if att.launcher.alive(att) or att.command_alive():
                 return self._next_look(att, now, got_lines)
             exit_info = read_json(att.file("exit"))   # the shim may have just finished
             if exit_info is None:
@@ -3234,11 +3410,7 @@ class Runner(Worker):
                           att.attempt)
 
     def _finish(self, att, exit_info, cancel):
-        if att.container:
-            if exit_info.get("failure_kind") == "LOST":
-                self.docker.remove(att.container)
-            else:
-                exit_info = self.docker.classify(att.container, exit_info)
+        exit_info = att.launcher.classify(att, exit_info)
         if exit_info.get("failure_kind") == "LOST":
             kind, message = "LOST", exit_info["message"]
         else:
@@ -3276,7 +3448,7 @@ class Runner(Worker):
 # the shim: its own session, outlives the agent
 # ---------------------------------------------------------------------------------------
 
-# The shim is one process per agent (`shim_server_command`, see Launcher) that starts and
+# The shim is one process per agent (`shim_server_command`, see ProcessLauncher) that starts and
 # waits for every job; one attempt can also run alone as `python -I -S -c SHIM_SOURCE DIR`
 # (`shim_command`, or `agent.py _shim DIR`). Neither imports this file: SHIM_SOURCE is the
 # source of the functions below (inspect.getsource), which are also this module's own, so
@@ -3572,7 +3744,7 @@ def shim_command():
 
 
 def shim_server_command():
-    """argv of the agent's shim (Launcher); its socket is its stdin."""
+    """argv of the agent's shim (ProcessLauncher); its socket is its stdin."""
     return [sys.executable, "-I", "-S", "-c", SHIM_SOURCE + "\nsys.exit(shim_server())"]
 
 

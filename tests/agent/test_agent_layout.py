@@ -64,7 +64,7 @@ def test_every_tunable_is_in_the_settings_section():
 
 
 # Where agent.py starts a thread, and the row of the docstring's table that names it.
-THREAD_STARTS = {"Worker.start": "runner (Runner)", "Launcher.launch": "waiter, one per",
+THREAD_STARTS = {"Worker.start": "runner (Runner)", "ProcessLauncher.launch": "waiter, one per",
                  "Connection._session": "reader, one per",
                  "SlurmLauncher.warm": "sbatch submitters,"}
 
@@ -181,3 +181,48 @@ def test_without_its_file_the_agent_says_so():
     r = subprocess.run([sys.executable, "-", "--help"], input=SOURCE, capture_output=True,
                        text=True, timeout=60, cwd="/")
     assert r.returncode != 0 and "run it as `python agent.py`" in r.stderr, r.stderr[-2000:]
+
+
+# -- the launchers: one interface, one table (issue 34) -----------------------------------
+
+INTERFACE = {"kind", "for_runner", "takes", "exec_spec", "pack", "launch", "adopt", "poll",
+             "due", "alive", "enforce_cancel", "classify", "clean", "warm", "close"}
+
+
+def test_every_launcher_of_the_table_has_the_whole_interface():
+    assert list(agent.LAUNCHERS) == ["slurm", "docker", "process"]
+    for kind, cls in agent.LAUNCHERS.items():
+        missing = {name for name in INTERFACE if not hasattr(cls, name)}
+        assert not missing, f"{cls.__name__} lacks {missing}"
+        assert cls.kind == kind
+
+
+def test_the_runner_asks_no_launcher_its_kind():
+    """Past its constructor, the runner calls the attempt's launcher, never branches on
+    Slurm, Docker or an image itself: a new kind is a class and a row in LAUNCHERS."""
+    tree = ast.parse(SOURCE)
+    runner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runner")
+    strays = []
+    for fn in (n for n in runner.body if isinstance(n, ast.FunctionDef)):
+        if fn.name == "__init__":
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and node.attr in ("slurm", "docker",
+                                                                 "container", "image"):
+                strays.append(f"Runner.{fn.name}: .{node.attr}")
+            if isinstance(node, ast.Constant) and node.value in ("slurm", "docker", "image"):
+                strays.append(f"Runner.{fn.name}: {node.value!r}")
+    assert not strays, strays
+
+
+def test_a_start_goes_to_the_first_launcher_that_takes_it(tmp_path):
+    from agentutil import Host
+    h = Host(tmp_path, thread=False)
+    try:
+        runner = h.runner
+        assert list(runner.launchers) == ["docker", "process"]     # no Slurm here
+        assert runner.launcher_for({"image": "busybox"}).kind == "docker"
+        assert runner.launcher_for({"command": ["true"]}).kind == "process"
+        assert runner.launcher is runner.launchers["process"]
+    finally:
+        h.stop()
