@@ -1,10 +1,13 @@
 """The GPU-slot scheduler thread.
 
 Slots are whole GPUs, exclusive, N on one node; never guessed from utilisation. Queued
-jobs are considered by priority, then submission order; a job that fits nowhere right
-now is skipped so smaller jobs behind it can use free slots, and a job that can never fit
-on any known node says so in `pending_reason`. The same tick declares jobs on nodes gone
-longer than the grace period NODE_LOST.
+jobs are considered by priority, then submission order. The first GPU job that cannot
+start now gets a reservation (gpuplane/backfill.py): jobs behind it start only on GPUs the
+reservation does not need, or on reserved ones when their time limit ends them before it
+("backfill", the default `scheduling`; "strict": none passes it; "first-fit": any job that
+fits runs now, the head may starve). A job that can never fit on any known node says so
+in `pending_reason`; queued GPU jobs get an `expected_start` (an estimate from the limits).
+The same tick declares jobs on nodes gone longer than the grace period NODE_LOST.
 
 State changes go through gpuplane/lifecycle.py (which sends the start command through the
 gateway); the scheduler does not know the gateway. `is_connected(node)` (app.py binds the
@@ -12,13 +15,15 @@ gateway's) says whether a node's agent holds a connection in this process right 
 """
 import logging
 import threading
+import time
 
-from . import states
+from . import backfill, states
 from .db import jobs, loads, nodes, now_ms
 from .worker import Worker
 
 MISSING = "MISSING"      # the state shown for a dependency that is no job
 QUEUE_PAGE = 16          # queued jobs read at a time while the nodes are as last seen
+PLAN_JOBS = 200          # queued GPU jobs a pass plans for (the head, expected starts)
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +139,14 @@ class Scheduler(Worker):
         same = nodes_seen == self._nodes_seen
         reasons = {}        # job id -> a new pending_reason, written at the end in one go
         why = {}            # (gpus, cpu_only) -> why a job of that shape waits
+        now = now_ms()
+        head = self._head(now, free, all_nodes)
         for job, depends_on, found in self._queue(
                 lambda: (most_gpus, cpu_room) if same else None):
             cpu_only = bool(job["cpu_only"])
+            behind = (head is not None and not cpu_only
+                      and (-job["priority"], job["queued_at"], job["id"]) > head["order"])
+            limit_ms = job["time_limit_s"] * 1000 if job["time_limit_s"] else None
             plain = not job["held"] and not depends_on
             # A job that waits only for a slot, of a shape that cannot fit anywhere now,
             # needs no more than its reason: most of a long queue, at every pass.
@@ -151,9 +161,13 @@ class Scheduler(Worker):
             if blocked:
                 self._say(reasons, job, blocked)
                 continue
-            node, gpu_indices = self._place(job, free)
+            allowed = self._around(head, limit_ms, free, now) if behind else free
+            node, gpu_indices = self._place(job, allowed)
             if node is None:
-                self._say(reasons, job, self._why(why, job, all_nodes))
+                if allowed is not free and self._place(job, free)[0] is not None:
+                    self._say(reasons, job, self._held_back(head, limit_ms))
+                else:
+                    self._say(reasons, job, self._why(why, job, all_nodes))
                 continue
             slurm = node in self._slurm
             assigned = self.lifecycle.assign(job["id"], node, [] if slurm else gpu_indices)
@@ -168,11 +182,113 @@ class Scheduler(Worker):
             most_gpus, cpu_room = self._room(free)
             log.info("job %d attempt %d → %s %s", job["id"], assigned["attempt"], node,
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
+        if head is not None and head["reason"] != head["pending_reason"]:
+            reasons[head["id"]] = head["reason"]
         if reasons:
             jobs.set_pending_reasons(self.db, reasons)
+        if head is not None or reasons:
+            self._expect(all_nodes)
         self._nodes_seen = nodes_seen
         with self._lock:
             self._left = (wakes, most_gpus, cpu_room, all_nodes)
+
+    # -- backfill (gpuplane/backfill.py) --------------------------------------------------
+
+    def _plan_nodes(self, all_nodes):
+        """{node: all its GPU indices} of the connected, reconciled nodes the scheduler
+        places GPUs on itself (a Slurm agent's cluster plans its own)."""
+        return {n["name"]: sorted(g["index"] for g in n["gpus"] if isinstance(g.get("index"), int))
+                for n in all_nodes
+                if n["state"] == "connected" and n["synced"] and n["name"] not in self._slurm
+                and self.is_connected(n["name"])}
+
+    def _head(self, now, free, all_nodes):
+        """The reservation of the first GPU job that cannot start now (the queue's jobs
+        ahead of it placed as this pass will place them), or None: nothing waits, it fits
+        no node, or scheduling is first-fit. {"id", "order", "start" (None: unknown),
+        "node", "gpus", "reason", "pending_reason"}."""
+        if self.cfg.get("scheduling") == "first-fit":
+            return None
+        plan = self._plan_nodes(all_nodes)
+        if not plan:
+            return None
+        left = {n: list(free[n][0]) for n in plan if n in free}
+        held = [(job_id, node, gpus, end) for job_id, node, gpus, end
+                in jobs.running_ends(self.db, now)]
+        biggest = max((len(g) for g in plan.values()), default=0)
+        for row in jobs.gpu_queue(self.db, PLAN_JOBS):
+            want = row["gpus"]
+            fits = sorted((len(g), n) for n, g in left.items() if len(g) >= want)
+            if fits:           # it starts in this pass: what it takes is not free after
+                n = fits[0][1]
+                taken, left[n] = left[n][:want], left[n][want:]
+                end = now + row["time_limit_s"] * 1000 if row["time_limit_s"] else None
+                held.append((row["id"], n, taken, end))
+                continue
+            if want > biggest:
+                continue       # it can never fit here; its reason says so
+            got = backfill.reservation(now, plan, [h[1:] for h in held], want)
+            if got is None:
+                continue
+            start, node, gpus = got
+            before = sorted(i for i, n, g, e in held
+                            if n == node and set(g) & set(gpus) and (e is None or e > now))
+            waits = ", ".join(f"job {i}" for i in before) or "the jobs there"
+            keep = [g for g in gpus if g in left.get(node, [])]
+            if start is None:
+                reason = ((f"holding GPU{'s' if len(keep) != 1 else ''} "
+                           f"{','.join(map(str, keep))} of node {node} for it (it needs "
+                           f"{want})" if keep else f"next on node {node} (it needs {want})")
+                          + f": it starts when {waits} end{'s' if len(before) == 1 else ''}"
+                          " (no time limit, so when is unknown)")
+            else:
+                reason = (f"reserved to start at {_clock(start)} on node {node} (GPU"
+                          f"{'s' if len(gpus) != 1 else ''} {','.join(map(str, gpus))}), "
+                          f"when {waits} reach{'es' if len(before) == 1 else ''} "
+                          f"{'its' if len(before) == 1 else 'their'} time limit")
+            pending = self.db.query_one("SELECT pending_reason FROM jobs WHERE id = ?",
+                                        (row["id"],))
+            return {"id": row["id"], "order": (-row["priority"], row["queued_at"], row["id"]),
+                    "start": start, "node": node, "gpus": set(gpus), "reason": reason,
+                    "pending_reason": pending[0] if pending else None}
+        return None
+
+    def _around(self, head, limit_ms, free, now):
+        """The free slots a job behind the head may take: all but the reserved GPUs, unless
+        its limit ends it before the reserved start; none at all under strict."""
+        if self.cfg.get("scheduling") == "strict":
+            return {n: ([], cpu) for n, (_g, cpu) in free.items()}
+        if backfill.may_use_reserved(now, limit_ms, head["start"]):
+            return free
+        out = dict(free)
+        gpus, cpu = free.get(head["node"], ([], 0))
+        out[head["node"]] = ([g for g in gpus if g not in head["gpus"]], cpu)
+        return out
+
+    def _held_back(self, head, limit_ms):
+        if self.cfg.get("scheduling") == "strict":
+            return f"waits behind job {head['id']} (scheduling is strict: none passes it)"
+        if head["start"] is None:
+            return (f"waits behind job {head['id']}, which holds GPUs of node {head['node']} "
+                    "until the jobs there end (they have no time limit)")
+        return (f"would run past job {head['id']}'s reserved start at "
+                f"{_clock(head['start'])} on node {head['node']}"
+                + ("" if limit_ms is not None else " (it has no time limit)")
+                + "; a --time that ends it before then lets it start now")
+
+    def _expect(self, all_nodes):
+        """expected_start of the first PLAN_JOBS queued GPU jobs, after this pass."""
+        plan = self._plan_nodes(all_nodes)
+        if not plan:
+            return
+        now = now_ms()
+        running = [(node, gpus, end) for _id, node, gpus, end in jobs.running_ends(self.db, now)]
+        queue = [{"id": r["id"], "gpus": r["gpus"],
+                  "limit_ms": r["time_limit_s"] * 1000 if r["time_limit_s"] else None}
+                 for r in jobs.gpu_queue(self.db, PLAN_JOBS)]
+        if queue:
+            jobs.set_expected_starts(self.db, backfill.expected_starts(now, plan, running,
+                                                                       queue))
 
     def _queue(self, room):
         """The queue in placement order: each row with the ids it runs after (decoded once
@@ -289,6 +405,10 @@ def _capacity(node):
 
 def _slurm_slots(node):
     return int((node.get("slurm") or {}).get("max_jobs") or node["cpu_slots"] or 0)
+
+
+def _clock(ms):
+    return time.strftime("%H:%M:%S", time.localtime(ms / 1000))
 
 
 def _gpus(n, adjective=""):

@@ -69,10 +69,10 @@ def world(tmp_path):
     return db, lc, sched, agents, connected
 
 
-def spec(name, gpus=1, priority=0):
+def spec(name, gpus=1, priority=0, time_limit_s=None):
     return {"name": name, "command": ["true"], "working_dir": "/w", "gpus": gpus,
             "cpu_only": gpus == 0, "priority": priority, "max_attempts": 2, "env": {},
-            "project": "default", "experiment": ""}
+            "project": "default", "experiment": "", "time_limit_s": time_limit_s}
 
 
 def test_a_tick_fills_free_slots_by_priority_and_says_why_the_rest_wait(world):
@@ -81,14 +81,72 @@ def test_a_tick_fills_free_slots_by_priority_and_says_why_the_rest_wait(world):
     big = lc.submit(spec("big", gpus=2))
     high = lc.submit(spec("high", priority=5))
     sched.tick()
-    # high first, then big cannot fit in the one GPU left, low (behind it) can.
+    # high first, then low (queued before big); big cannot fit and is next on the node
+    # (backfill's reservation: neither has a time limit, so when it starts is unknown)
     assert [a[0] for a in agents.started] == [high["id"], low["id"]]
     assert sorted(g for a in agents.started for g in a[2]) == [0, 1]
     waiting = jobs.get(db, big["id"])
     assert waiting["state"] == "QUEUED"
-    assert waiting["pending_reason"] == "waiting for 2 free GPUs on one node"
+    assert waiting["pending_reason"] == (
+        f"next on node n1 (it needs 2): it starts when job {low['id']}, job {high['id']} end "
+        "(no time limit, so when is unknown)")
+    late = lc.submit(spec("late"))                 # behind big, no limit: no backfill
+    lc.finished(low["id"], 1, exit_code=0)
+    sched.tick()
+    assert len(agents.started) == 2 and jobs.get(db, late["id"])["state"] == "QUEUED"
+    assert jobs.get(db, late["id"])["pending_reason"].startswith(f"waits behind job {big['id']}")
+    assert jobs.get(db, big["id"])["pending_reason"].startswith("holding GPU 1 of node n1")
     sched.tick()                                   # nothing freed: nothing sent twice
     assert len(agents.started) == 2
+
+
+def test_first_fit_lets_any_job_that_fits_run_now(world, tmp_path):
+    db, lc, sched, agents, _ = world
+    sched.cfg = sched.cfg.replace(scheduling="first-fit")
+    low = lc.submit(spec("low"))
+    big = lc.submit(spec("big", gpus=2))
+    high = lc.submit(spec("high", priority=5))
+    sched.tick()
+    assert [a[0] for a in agents.started] == [high["id"], low["id"]]
+    assert jobs.get(db, big["id"])["pending_reason"] == "waiting for 2 free GPUs on one node"
+
+
+def test_a_limited_job_backfills_before_the_reservation_and_a_longer_one_waits(world):
+    db, lc, sched, agents, _ = world
+    running = lc.submit(spec("running", priority=9, time_limit_s=3600))
+    sched.tick()                                   # GPU 0 until its limit, an hour on
+    big = lc.submit(spec("big", gpus=2))
+    long_ = lc.submit(spec("long", time_limit_s=7200))
+    unlimited = lc.submit(spec("unlimited"))
+    short = lc.submit(spec("short", time_limit_s=600))
+    sched.tick()
+    started = [a[0] for a in agents.started]
+    assert started == [running["id"], short["id"]]      # ten minutes fit before the hour
+    head = jobs.get(db, big["id"])
+    assert head["pending_reason"].startswith("reserved to start at ")
+    assert f"when job {running['id']} reaches its time limit" in head["pending_reason"]
+    for j in (long_, unlimited):
+        why = jobs.get(db, j["id"])["pending_reason"]
+        assert why.startswith(f"would run past job {big['id']}'s reserved start"), why
+    assert "no time limit" in jobs.get(db, unlimited["id"])["pending_reason"]
+    # the estimate: big when running's hour is over, long after big (no limit: unknown)
+    got = {j: jobs.get(db, j)["expected_start"] for j in (big["id"], long_["id"],
+                                                          unlimited["id"])}
+    assert got[big["id"]] is not None and got[long_["id"]] is None
+    assert abs(got[big["id"]] - jobs.get(db, running["id"])["queued_at"] - 3600_000) < 60_000
+
+
+def test_strict_lets_no_job_pass_a_waiting_one(world):
+    db, lc, sched, agents, _ = world
+    sched.cfg = sched.cfg.replace(scheduling="strict")
+    lc.submit(spec("running", priority=9, time_limit_s=3600))
+    sched.tick()
+    big = lc.submit(spec("big", gpus=2))
+    short = lc.submit(spec("short", time_limit_s=60))
+    sched.tick()
+    assert len(agents.started) == 1
+    assert "scheduling is strict" in jobs.get(db, short["id"])["pending_reason"]
+    assert jobs.get(db, big["id"])["pending_reason"].startswith("reserved to start at ")
 
 
 def test_a_node_without_a_live_connection_gets_nothing(world):
@@ -130,7 +188,9 @@ def test_a_full_node_still_gets_every_queued_job_its_reason(world):
     child = lc.submit(dict(spec("child"), depends_on=[doomed["id"]]))
     cpu = lc.submit(spec("cpu", gpus=0))
     sched.tick()
-    for w in waiting:
+    # the first waits as the next on the node (backfill's reservation); the rest for a slot
+    assert jobs.get(db, waiting[0]["id"])["pending_reason"].startswith("next on node n1")
+    for w in waiting[1:]:
         assert jobs.get(db, w["id"])["pending_reason"] == (
             f"waiting for {w['gpus']} free GPU{'s' if w['gpus'] > 1 else ''} on one node")
     assert jobs.get(db, held["id"])["pending_reason"].startswith("held;")
@@ -148,8 +208,9 @@ def test_reasons_follow_the_nodes_while_later_passes_skip_jobs_that_keep_theirs(
     waiting = [lc.submit(spec(f"w{i}")) for i in range(5)]
     held = lc.submit(dict(spec("held"), held=True))
     sched.tick()
-    says = {jobs.get(db, w["id"])["pending_reason"] for w in waiting}
+    says = {jobs.get(db, w["id"])["pending_reason"] for w in waiting[1:]}
     assert says == {"waiting for 1 free GPU on one node"}
+    assert jobs.get(db, waiting[0]["id"])["pending_reason"].startswith("next on node n1")
     lc.hold(held["id"], held=False)
     sched.tick()
     assert jobs.get(db, held["id"])["pending_reason"] == "waiting for 1 free GPU on one node"
@@ -175,8 +236,9 @@ def test_a_long_queue_is_read_a_page_at_a_time_and_still_placed_in_order(world, 
     assert len(pages) == 1 and "limit" not in pages[0]
     order = [a[0] for a in agents.started]
     assert len(order) == 2
-    assert all(jobs.get(db, i)["pending_reason"] == "waiting for 1 free GPU on one node"
-               for i in ids if i not in order)
+    said = [jobs.get(db, i)["pending_reason"] for i in ids if i not in order]
+    assert sum(r.startswith("next on node n1") for r in said) == 1     # the head
+    assert sum(r == "waiting for 1 free GPU on one node" for r in said) == len(said) - 1
     while len(agents.started) < 40:
         running = [a for a in agents.started if jobs.get(db, a[0])["state"] == "DISPATCHED"]
         lc.started(running[0][0], 1)

@@ -390,6 +390,7 @@ def cmd_job_show(args):
          if job.get("depends_on") else None),
         ("held", "yes (`gpuplane job release`)" if job.get("held") else None),
         ("waiting", job.get("pending_reason")),
+        ("expected start", _expected(job)),
     ]
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
@@ -482,6 +483,20 @@ def cmd_job_wait(args):
     ends = {j["state"] for j in jobs}
     return outcome_code("FAILED" if "FAILED" in ends else
                         "CANCELLED" if "CANCELLED" in ends else "SUCCEEDED")
+
+
+def _expected(job):
+    """A queued GPU job's expected start (docs/scheduling.md), said as an estimate."""
+    if job.get("state") != "QUEUED" or job.get("cpu_only"):
+        return None
+    if job.get("expected_start"):
+        import time
+        wait = job["expected_start"] / 1000 - time.time()
+        return (f"{clock(job['expected_start'])} ("
+                + (f"in {duration(0, int(wait * 1000))}" if wait > 1 else "now") +
+                "), an estimate from the time limits of the jobs before it")
+    return "unknown: a job it waits for has no time limit" if job.get("pending_reason") \
+        else None
 
 
 def cmd_job_retry(args):

@@ -36,6 +36,8 @@ def to_dict(row):
     d["project_given"] = bool(d.get("project_given", True))
     d["experiment_given"] = bool(d.get("experiment_given", True))
     d["stop_on"] = loads(d.get("stop_on"), [])
+    if d.get("state") != QUEUED:
+        d["expected_start"] = None          # an estimate for queued jobs only
     d["end"] = end_label(d)      # "early-stopped (ASHA rung 0, step 20)", ...
     return d
 
@@ -97,7 +99,7 @@ def placement_queue(db, room=None, after=None, limit=None):
     a release, which clear it). after=(priority, queued_at, id) of the last row read,
     limit: one page."""
     sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason, "
-           "priority, queued_at FROM jobs WHERE state = 'QUEUED'")
+           "priority, queued_at, time_limit_s FROM jobs WHERE state = 'QUEUED'")
     args = ()
     if room is not None:
         sql += (" AND (held = 0 OR pending_reason IS NULL)"
@@ -132,6 +134,37 @@ def retention_keys(db, ids):
             "SELECT id, retention, project, experiment FROM jobs WHERE id IN "
             f"({','.join('?' * len(chunk))}) AND kind IS NOT 'EVALUATE'", chunk)]
     return out
+
+
+def gpu_queue(db, limit):
+    """The first `limit` queued GPU jobs that wait only for slots (not held, no
+    dependency), in placement order: backfill's head and the expected starts
+    (gpuplane/backfill.py) read them."""
+    return db.query(
+        "SELECT id, gpus, priority, queued_at, time_limit_s FROM jobs WHERE state = 'QUEUED'"
+        " AND cpu_only = 0 AND held = 0 AND (depends_on IS NULL OR depends_on = '[]')"
+        " ORDER BY priority DESC, queued_at, id LIMIT ?", (int(limit),))
+
+
+def running_ends(db, now):
+    """[(id, node, gpu indices, end ms or None)] of the GPU jobs holding slots: when each
+    will have ended by its time limit (from its start, or now for one not started yet;
+    None: it has no limit)."""
+    out = []
+    for r in db.query("SELECT id, node, gpu_indices, started_at, time_limit_s FROM jobs"
+                      " WHERE state IN ('DISPATCHED', 'RUNNING') AND cpu_only = 0"):
+        start = r["started_at"] or now
+        out.append((r["id"], r["node"], loads(r["gpu_indices"]) or [],
+                    start + r["time_limit_s"] * 1000 if r["time_limit_s"] else None))
+    return out
+
+
+def set_expected_starts(db, starts):
+    """{job id: expected start ms or None (unknown)} of queued jobs: an estimate, shown
+    with the job (docs/scheduling.md); not a state change."""
+    with db.tx() as c:
+        c.executemany("UPDATE jobs SET expected_start = ? WHERE id = ? AND state = 'QUEUED'",
+                      [(None if v is None else int(v), k) for k, v in starts.items()])
 
 
 def slots_in_use(db):

@@ -1,0 +1,74 @@
+"""Backfill on a real server and agent (4 fake GPUs, real child processes): a head job of
+4 GPUs waits for a limited 1-GPU job; short limited jobs behind it run on the 3 free GPUs
+and end before it starts; a job without a limit does not pass it; the head says when it
+is reserved to start, and `job show` gives the estimate."""
+import sys
+
+from gpuplane import cli
+from procs import AgentProc, ServerProc, kill_leftover_jobs, wait_for
+
+
+def test_short_limited_jobs_backfill_and_an_unlimited_one_waits(tmp_path, monkeypatch,
+                                                                  capsys):
+    server = ServerProc(tmp_path / "server").start()
+    agent = AgentProc(server, tmp_path / "agent", "box", fake_gpus=4, cpu_slots=0).start()
+    api = server.api
+    try:
+        def job(name, gpus, seconds, limit=None, **kw):
+            body = {"name": name, "command": [sys.executable, "-c",
+                                              f"import time; time.sleep({seconds})"],
+                    "working_dir": str(tmp_path), "gpus": gpus, **kw}
+            if limit:
+                body["time_limit"] = limit
+            return api.post("/api/v1/jobs", body, expect=201)
+
+        first = job("first", 1, 6, limit="20s")
+        wait_for(lambda: api.job(first["id"])["state"] == "RUNNING", 30, what="first to run")
+        head = job("head", 4, 1)
+        shorts = [job(f"short{i}", 1, 0.5, limit="5s") for i in range(3)]
+        unlimited = job("unlimited", 1, 0.5)
+        done = wait_for(lambda: all(api.job(j["id"])["state"] == "SUCCEEDED"
+                                    for j in [first, head, *shorts, unlimited]) and True,
+                        120, what="every job to end")
+        assert done
+        got = {j["id"]: api.job(j["id"]) for j in [first, head, *shorts, unlimited]}
+        h = got[head["id"]]
+        for s in shorts:            # backfilled: started and ended before the head started
+            assert got[s["id"]]["started_at"] < h["started_at"]
+            assert got[s["id"]]["ended_at"] <= h["started_at"]
+        # no limit: it never passed the head
+        assert got[unlimited["id"]]["started_at"] >= h["started_at"]
+    finally:
+        agent.stop()
+        server.stop()
+        kill_leftover_jobs(agent.home)
+
+
+def test_the_head_says_when_it_is_reserved_to_start(tmp_path, monkeypatch, capsys):
+    server = ServerProc(tmp_path / "server").start()
+    agent = AgentProc(server, tmp_path / "agent", "box", fake_gpus=2, cpu_slots=0).start()
+    api = server.api
+    try:
+        first = api.post("/api/v1/jobs", {"name": "first", "gpus": 1, "time_limit": "1h",
+                                          "command": [sys.executable, "-c",
+                                                      "import time; time.sleep(60)"],
+                                          "working_dir": str(tmp_path)}, expect=201)
+        wait_for(lambda: api.job(first["id"])["state"] == "RUNNING", 30, what="first to run")
+        head = api.post("/api/v1/jobs", {"name": "head", "gpus": 2, "command": ["true"],
+                                         "working_dir": str(tmp_path)}, expect=201)
+        waiting = wait_for(lambda: (j := api.job(head["id"]))["expected_start"] and j, 30,
+                           what="the head's reservation")
+        assert waiting["pending_reason"].startswith("reserved to start at ")
+        assert f"when job {first['id']} reaches its time limit" in waiting["pending_reason"]
+        started = api.job(first["id"])["started_at"]
+        assert abs(waiting["expected_start"] - (started + 3600_000)) < 5_000
+        monkeypatch.setenv("GPUCTL_TOKEN", server.token)
+        assert cli.main(["--server", server.url, "job", "show", str(head["id"])]) == 0
+        out = capsys.readouterr().out
+        assert "expected start" in out and "an estimate from the time limits" in out
+        api.post(f"/api/v1/jobs/{first['id']}/cancel")
+        api.post(f"/api/v1/jobs/{head['id']}/cancel")
+    finally:
+        agent.stop()
+        server.stop()
+        kill_leftover_jobs(agent.home)
