@@ -219,3 +219,32 @@ def test_a_v12_database_marks_the_runs_of_evaluations(tmp_path):
     got = {r["id"]: (r["kind"], r["parent_checkpoint_id"]) for r in runs.list_runs(db)}
     assert got == {1: ("TRAIN", None), 2: ("EVALUATE", 5), 3: ("TRAIN", None)}
     assert [r["id"] for r in runs.list_runs(db, kind="TRAIN")] == [3, 1]
+
+
+def test_a_v18_database_keeps_its_sweep_trials_and_takes_a_samplers_rows(tmp_path):
+    """v19 made sweep_trials anew (params may be NULL until a sampler asks; `told`): a
+    v18 database's trials keep their parameters, job, rung, stop and re-run mark, with
+    nothing told, and a sampler's trial rows can be written without parameters."""
+    from gpuplane.db import sweeps
+    path = tmp_path / "v18.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("BEGIN;\n" + "\n".join(MIGRATIONS[:18]) + "\nPRAGMA user_version=18;\nCOMMIT;")
+    conn.execute("INSERT INTO sweeps (name, spec, created_at) VALUES ('s', '{}', 1)")
+    conn.execute("INSERT INTO sweep_trials (sweep_id, number, params, job_id, rung, stopped, "
+                 "retry) VALUES (1, 0, '{\"lr\":0.1}', 7, 2, '{\"rule\":\"asha\"}', 1)")
+    conn.execute("INSERT INTO sweep_trials (sweep_id, number, params) VALUES (1, 1, '{}')")
+    conn.close()
+    db = Database(path)
+    assert db.query_one("PRAGMA user_version")[0] == len(MIGRATIONS)
+    old = sweeps.trials(db, 1)
+    assert [(t["number"], t["params"], t["job_id"], t["rung"], t["stopped"], t["retry"],
+             t["told"]) for t in old] == [(0, {"lr": 0.1}, 7, 2, {"rule": "asha"}, True, None),
+                                          (1, {}, None, 0, None, False, None)]
+    assert [tuple(r) for r in db.query("SELECT name FROM sqlite_master WHERE type = 'index'"
+                                       " AND tbl_name = 'sweep_trials' AND sql IS NOT NULL")] \
+        == [("sweep_trials_job",)]
+    with db.tx() as c:
+        sid = sweeps.create(c, "t", "default", "", {"sampler": "tpe"}, [None, None])
+        sweeps.set_trial_told(c, sweeps.trials(db, sid)[0]["id"], {"state": "FAIL"})
+    assert [(t["params"], t["told"]) for t in sweeps.trials(db, sid)] == \
+        [(None, {"state": "FAIL"}), (None, None)]

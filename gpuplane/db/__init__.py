@@ -505,13 +505,38 @@ SCHEMA_V20_EXPECTED_START = """
 ALTER TABLE jobs ADD COLUMN expected_start INTEGER;
 """
 
+# Optuna's samplers (gpuplane/samplers.py, docs/sweeps.md "Samplers"): a sampler's trial
+# row is made at create with no parameters (NULL until they are asked, at launch), and
+# keeps what the study was told when its job ended (json {"state", "value", "step"}), from
+# which the study is rebuilt after a restart. SQLite cannot drop a NOT NULL: the table is
+# made anew.
+SCHEMA_V21_SAMPLERS = """
+CREATE TABLE sweep_trials_v21 (
+    id        INTEGER PRIMARY KEY,
+    sweep_id  INTEGER NOT NULL,
+    number    INTEGER NOT NULL,                 -- 0, 1, ... in the order they launch
+    params    TEXT,                             -- json; NULL until a sampler is asked
+    job_id    INTEGER,                          -- NULL until launched
+    rung      INTEGER NOT NULL DEFAULT 0,       -- ASHA rungs passed
+    stopped   TEXT,                             -- json: the early-stopping decision
+    retry     INTEGER NOT NULL DEFAULT 0,       -- queued again by sweep retry-failed
+    told      TEXT,                             -- json: what the sampler was told
+    UNIQUE (sweep_id, number)
+);
+INSERT INTO sweep_trials_v21 (id, sweep_id, number, params, job_id, rung, stopped, retry)
+    SELECT id, sweep_id, number, params, job_id, rung, stopped, retry FROM sweep_trials;
+DROP TABLE sweep_trials;
+ALTER TABLE sweep_trials_v21 RENAME TO sweep_trials;
+CREATE INDEX sweep_trials_job ON sweep_trials(job_id);
+"""
+
 MIGRATIONS = [SCHEMA_V1, SCHEMA_V2_ROLLUPS, SCHEMA_V3_JOB_DEPENDENCIES, SCHEMA_V4_CHECKPOINTS,
               SCHEMA_V5_JOB_IMAGE, SCHEMA_V6_EVENTS, SCHEMA_V7_TOKEN_NODE, SCHEMA_V8_ROLLUP_TS,
               SCHEMA_V9_DIRTY_BASE, SCHEMA_V10_SWEEPS, SCHEMA_V11_SLURM, SCHEMA_V12_RESUME,
               SCHEMA_V13_RUN_KIND, SCHEMA_V14_RETENTION,
               SCHEMA_V15_EXPERIMENT_RETENTION, SCHEMA_V16_QUEUE_ORDER,
               SCHEMA_V17_TIME_LIMITS, SCHEMA_V18_ATTRIBUTION, SCHEMA_V19_STOP_ON,
-              SCHEMA_V20_EXPECTED_START]
+              SCHEMA_V20_EXPECTED_START, SCHEMA_V21_SAMPLERS]
 
 
 _databases: weakref.WeakSet = weakref.WeakSet()

@@ -19,21 +19,24 @@ def _sweep(row):
 
 def _trial(row):
     d = dict(row)
-    d["params"] = loads(d["params"], {})
+    d["params"] = loads(d["params"])            # None: a sampler's trial not asked yet
     d["stopped"] = loads(d.get("stopped"))
+    d["told"] = loads(d.get("told"))
     d["retry"] = bool(d.get("retry"))
     return d
 
 
 def create(conn, name, project, experiment, spec, trial_params):
-    """A sweep and one trial row per parameter set, in launch order. Returns its id."""
+    """A sweep and one trial row per parameter set, in launch order (None: asked of the
+    sweep's sampler at launch). Returns its id."""
     ts = now_ms()
     projects.ensure(conn, project, experiment)
     sweep_id = conn.execute(
         "INSERT INTO sweeps (name, project, experiment, spec, created_at) VALUES (?,?,?,?,?)",
         (name, project, experiment, dumps(spec), ts)).lastrowid
     conn.executemany("INSERT INTO sweep_trials (sweep_id, number, params) VALUES (?,?,?)",
-                     [(sweep_id, i, dumps(p)) for i, p in enumerate(trial_params)])
+                     [(sweep_id, i, None if p is None else dumps(p))
+                      for i, p in enumerate(trial_params)])
     return sweep_id
 
 
@@ -118,6 +121,19 @@ def next_trials(db, sweep_id, limit):
         " ORDER BY t.retry != 0 DESC, t.number LIMIT ?", (sweep_id, int(limit)))]
 
 
+def untold(db, sweep_id):
+    """A sampler's trials whose jobs ended and whose results the study was not told yet
+    (a trial marked for a re-run waits for its new attempt)."""
+    out = []
+    for r in db.query(_TRIALS + " WHERE t.sweep_id = ? AND t.params IS NOT NULL"
+                      " AND t.told IS NULL AND t.retry = 0 AND j.state IN (?, ?, ?)"
+                      " ORDER BY t.number", (sweep_id, SUCCEEDED, FAILED, CANCELLED)):
+        d = _trial(r)
+        d["job_stop_reason"] = loads(d.get("job_stop_reason"))
+        out.append(d)
+    return out
+
+
 def trial_of_job(conn, job_id):
     row = conn.execute("SELECT * FROM sweep_trials WHERE job_id = ?", (job_id,)).fetchone()
     return _trial(row) if row else None
@@ -143,8 +159,16 @@ def set_trial_job(conn, trial_id, job_id):
 
 
 def set_trial_retry(conn, trial_id, retry=True):
-    conn.execute("UPDATE sweep_trials SET retry = ?, stopped = NULL WHERE id = ?",
+    conn.execute("UPDATE sweep_trials SET retry = ?, stopped = NULL, told = NULL WHERE id = ?",
                  (int(retry), trial_id))
+
+
+def set_trial_params(conn, trial_id, params):
+    conn.execute("UPDATE sweep_trials SET params = ? WHERE id = ?", (dumps(params), trial_id))
+
+
+def set_trial_told(conn, trial_id, told):
+    conn.execute("UPDATE sweep_trials SET told = ? WHERE id = ?", (dumps(told), trial_id))
 
 
 def set_trial_rung(conn, trial_id, rung):
