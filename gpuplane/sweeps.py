@@ -9,7 +9,8 @@ running trials from the metric store, stops launching when the first trials all 
 marks the sweep DONE when every trial has ended.
 
 The parameter sets are drawn once, at create, and stored: the same seed gives the same
-trials, and a re-run keeps its parameters.
+trials, and a re-run keeps its parameters. A sweep with a `sampler` asks Optuna instead,
+as each trial is launched, and tells it each result (gpuplane/samplers.py).
 """
 import itertools
 import logging
@@ -18,7 +19,7 @@ import random
 import shlex
 import string
 
-from . import placeholders, pruning
+from . import placeholders, pruning, samplers
 from .lifecycle import LimitRefused
 from .db import metric_defs, metrics, sweeps as db_sweeps
 from .worker import Worker
@@ -29,7 +30,7 @@ MAX_TRIALS = 1000         # trials in one sweep (docs/sweeps.md)
 MAX_PARALLEL = 256
 FAIL_FAST = 3             # this many failed trials and none succeeded: stop launching
 DISTRIBUTIONS = ("uniform", "log_uniform", "int_uniform", "choice")
-RULES = ("median", "asha")
+RULES = ("median", "asha", *samplers.PRUNERS)
 BUILTINS = ("trial", "sweep_id")     # placeholders every template may use
 RESERVED = BUILTINS + placeholders.JOB
 
@@ -197,6 +198,8 @@ def parse_early_stopping(es):
     if rule not in RULES:
         raise SweepError(f"early_stopping 'rule' must be one of {', '.join(RULES)}, got "
                          f"{rule!r}")
+    if rule in samplers.PRUNERS:
+        return samplers.parse_pruner(es)
     known = {"rule", "warmup_steps", "min_trials"} if rule == "median" else \
         {"rule", "min_steps", "eta"}
     extra = set(es) - known
@@ -220,7 +223,7 @@ SPEC_KEYS = {"name", "command", "parameters", "trials", "seed", "parallel", "met
              "direction", "early_stopping", "working_dir", "gpus", "cpu_only", "priority",
              "max_attempts", "env", "project", "experiment", "tb_dir", "watch_dir", "image",
              "eval_command", "retention", "time_limit", "time_limit_s", "time_limit_min",
-             "time_signal", "preemptible", "stop_on"}
+             "time_signal", "preemptible", "stop_on", "sampler"}
 
 
 def parse_spec(data):
@@ -275,10 +278,16 @@ def parse_spec(data):
     name = data.get("name") or ""
     if not isinstance(name, str) or len(name) > 100:
         raise SweepError("'name' must be a string of at most 100 characters")
+    try:
+        sampler = samplers.parse_sampler(data.get("sampler"), grid, rand)
+        es = parse_early_stopping(data.get("early_stopping"))
+        samplers.check_pruner(es, sampler)
+    except samplers.SamplerError as e:
+        raise SweepError(str(e)) from None
+    # with a sampler, `params` are only a sample for the checks: the trials are asked
     return {"name": name.strip(), "template": template, "grid": grid, "random": rand,
             "trials": len(params), "seed": seed, "parallel": parallel, "metric": metric,
-            "direction": direction,
-            "early_stopping": parse_early_stopping(data.get("early_stopping"))}, params
+            "direction": direction, "sampler": sampler, "early_stopping": es}, params
 
 
 def resolve_metric(db, spec, project, experiment):
@@ -331,6 +340,7 @@ class Sweeper(Worker):
         self.db = db
         self.lifecycle = lifecycle
         self._curves = {}        # (run_id, key) -> [last step read, [(step, value)]]
+        self.studies = samplers.Studies()     # the Optuna studies of sweeps with a sampler
         self._any_running = True  # until the first pass has looked
 
     def offer_lifecycle(self, event):
@@ -345,6 +355,7 @@ class Sweeper(Worker):
     def tick(self):
         running = db_sweeps.active(self.db)
         self._any_running = bool(running)
+        self.studies.keep_only({s["id"] for s in running})    # cancelled, stopped: dropped
         for sweep in running:
             try:
                 self.step(sweep)
@@ -370,6 +381,10 @@ class Sweeper(Worker):
         # the pass after every trial's end: counted in SQL, not read trial by trial (a
         # sweep of short trials read all of them at each)
         n = db_sweeps.tally(self.db, sweep["id"])
+        if spec.get("sampler"):
+            # after the count: every trial that ended before it is told before the next
+            # ask (one that ends after it is still counted active, and makes no room)
+            self.tell(sweep)
         if n["failed"] >= FAIL_FAST and not n["succeeded"]:
             failed = [t for t in db_sweeps.trials(self.db, sweep["id"])
                       if t["job_state"] == "FAILED" and not t["retry"]]
@@ -398,22 +413,71 @@ class Sweeper(Worker):
             with self.lifecycle.transaction() as t:
                 db_sweeps.set_state(t.conn, sweep["id"], "DONE")
                 t.publish = True
+            self.studies.forget(sweep["id"])
             if self._curves:
                 ended = {t["run_id"] for t in db_sweeps.trials(self.db, sweep["id"])}
                 for k in [k for k in self._curves if k[0] in ended]:
                     del self._curves[k]     # a finished sweep's curves are not read again
 
     def launch(self, sweep, trial):
-        with self.lifecycle.transaction() as t:
-            if trial["retry"] and trial["job_id"] is not None:
-                job, accepted = self.lifecycle.retry(trial["job_id"], t=t, resume=True)
-                if accepted:
-                    db_sweeps.set_trial_retry(t.conn, trial["id"], False)
-                    db_sweeps.set_trial_rung(t.conn, trial["id"], 0)
-                    return
-            job = self.lifecycle.submit(job_spec(sweep, trial), t=t)
-            db_sweeps.set_trial_job(t.conn, trial["id"], job["id"])
-            db_sweeps.set_trial_rung(t.conn, trial["id"], 0)
+        sampler = sweep["spec"].get("sampler")
+        try:
+            asked = trial["params"] is None
+            if asked:                       # a sampler's trial: its parameters asked now
+                self.study(sweep)
+                trial = dict(trial, params=self.studies.ask(sweep["id"], trial["number"]))
+            with self.lifecycle.transaction() as t:
+                if trial["retry"] and trial["job_id"] is not None:
+                    job, accepted = self.lifecycle.retry(trial["job_id"], t=t, resume=True)
+                    if accepted:
+                        db_sweeps.set_trial_retry(t.conn, trial["id"], False)
+                        db_sweeps.set_trial_rung(t.conn, trial["id"], 0)
+                        if sampler:         # told FAIL before: replayed as running
+                            self.studies.forget(sweep["id"])
+                        return
+                job = self.lifecycle.submit(job_spec(sweep, trial), t=t)
+                db_sweeps.set_trial_job(t.conn, trial["id"], job["id"])
+                if asked:
+                    db_sweeps.set_trial_params(t.conn, trial["id"], trial["params"])
+                db_sweeps.set_trial_rung(t.conn, trial["id"], 0)
+        except Exception:
+            # the study may hold an ask the database does not: rebuild it from the database
+            self.studies.forget(sweep["id"])
+            raise
+
+    def study(self, sweep):
+        """Load the sweep's study (rebuilt from its stored trials) if it is not in memory."""
+        if self.studies.loaded(sweep["id"]):
+            return
+        key, d, _ = resolve_metric(self.db, sweep["spec"], sweep["project"],
+                                   sweep["experiment"])
+        trials = db_sweeps.trials(self.db, sweep["id"])
+        curves = {}
+        if (sweep["spec"].get("early_stopping") or {}).get("rule") in samplers.PRUNERS:
+            curves = {t["number"]: self.curve(t["run_id"], key) for t in trials
+                      if t["told"] is not None}
+        self.studies.rebuild(sweep, d, trials, curves)
+
+    def tell(self, sweep):
+        """Tell the study the results of the trials whose jobs ended since the last pass."""
+        ended = db_sweeps.untold(self.db, sweep["id"])
+        if not ended:
+            return
+        key, d, _ = resolve_metric(self.db, sweep["spec"], sweep["project"],
+                                   sweep["experiment"])
+        try:
+            self.study(sweep)
+            for trial in ended:
+                curve = self.curve(trial["run_id"], key)
+                stopped = trial["stopped"] or (trial["job_stop_reason"] or {}).get(
+                    "reason") == "EARLY_STOPPED"
+                told = samplers.outcome(trial["job_state"], stopped, curve, d, key)
+                self.studies.tell(sweep["id"], trial["number"], told, curve)
+                with self.lifecycle.transaction() as t:
+                    db_sweeps.set_trial_told(t.conn, trial["id"], told)
+        except Exception:
+            self.studies.forget(sweep["id"])
+            raise
 
     def early_stop(self, sweep, trials, es):
         key, d, _ = resolve_metric(self.db, sweep["spec"], sweep["project"],
@@ -426,7 +490,11 @@ class Sweeper(Worker):
                 continue
             mine = curves[trial["id"]]
             others = [c for tid, c in curves.items() if tid != trial["id"]]
-            if es["rule"] == "median":
+            if es["rule"] in samplers.PRUNERS:
+                self.study(sweep)
+                passed, decision = trial["rung"], self.studies.prune(
+                    sweep["id"], trial["number"], mine, key)
+            elif es["rule"] == "median":
                 passed, decision = trial["rung"], pruning.median_rule(
                     mine, others, d, warmup_steps=es["warmup_steps"],
                     min_trials=es["min_trials"], key=key)

@@ -76,14 +76,15 @@ def create():
     except lifecycle.LimitRefused as e:
         raise BadRequest(str(e)) from None
     key, d, _ = sweeps.resolve_metric(db, spec, project, experiment)
-    if spec["early_stopping"]:
+    if spec["early_stopping"] or spec["sampler"]:
+        what = "early stopping" if spec["early_stopping"] else f"sampler {spec['sampler']}"
         if key is None:
-            raise BadRequest("early stopping needs the metric that decides: give 'metric' "
+            raise BadRequest(f"{what} needs the metric that decides: give 'metric' "
                              "(metric = \"val_loss\") or define the experiment's primary "
                              "metric (`gpuplane metric set KEY --primary --experiment "
                              f"{experiment or 'NAME'}`)")
         if d not in ("min", "max"):
-            raise BadRequest(f"early stopping needs to know whether {key} is better low or "
+            raise BadRequest(f"{what} needs to know whether {key} is better low or "
                              "high: give 'direction' (min or max)")
     for k in ("name", "command", "project", "experiment"):
         job.pop(k, None)
@@ -93,7 +94,9 @@ def create():
                                        "time_limit_s", "time_signal", "preemptible", "stop_on")}
     name = spec["name"] or f"{experiment or 'sweep'}"
     with current_lifecycle().transaction() as t:
-        sweep_id = sweeps_db.create(t.conn, name, project, experiment, spec, params)
+        # a sampler's trials are asked at launch: their rows start without parameters
+        sweep_id = sweeps_db.create(t.conn, name, project, experiment, spec,
+                                    [None] * len(params) if spec["sampler"] else params)
         t.publish = True
     _wake()
     return view(sweeps_db.get(db, sweep_id)), 201
@@ -122,7 +125,7 @@ def summary(sweep):
             "experiment": sweep["experiment"], "state": sweep["state"],
             "stop_reason": sweep["stop_reason"], "trials": spec.get("trials"),
             "parallel": spec.get("parallel"), "metric": spec.get("metric"),
-            "early_stopping": spec.get("early_stopping"),
+            "sampler": spec.get("sampler"), "early_stopping": spec.get("early_stopping"),
             "trial_states": sweep.get("trial_states", {}),
             "created_at": sweep["created_at"], "ended_at": sweep["ended_at"]}
 
@@ -167,6 +170,7 @@ def view(sweep):
                if state in (states.STOPPING, *states.STOP_REASONS) else None,
                "end": states.stop_label(t["job_stop_reason"]) if state in states.STOP_REASONS
                else (t["job_state"] or "").lower() or None,
+               "told": t["told"],
                "started_at": t["started_at"], "ended_at": t["ended_at"]}
         rows.append(row)
         v = value and value.get("value")
@@ -181,6 +185,9 @@ def view(sweep):
     for r in rows:
         out["trial_states"][r["state"]] = out["trial_states"].get(r["state"], 0) + 1
     out["best"] = best
+    sweeper = current_app.config.get("SWEEPER")
+    out["study"] = (sweeper.studies.summary(sweep["id"])
+                    if spec.get("sampler") and sweeper is not None else None)
     out["best_missing"] = None if best is not None else _why_no_best(db, key, d, rows)
     return out
 
