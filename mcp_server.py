@@ -917,6 +917,10 @@ class CreateSweepIn(In):
                                                     "draws; default: the grid's size)",
                                         ge=1, le=1000)] = None
     seed: Annotated[int | None, Field(description="seed of the random draws")] = None
+    sampler: Annotated[Literal["tpe", "cmaes", "qmc", "random", "grid"] | None, Field(
+        description="ask Optuna's sampler for each trial's parameters as it launches, "
+                    "learning from the trials before (needs the optuna extra on the "
+                    "server); default: parameters drawn at create")] = None
     parallel: Annotated[int | None, Field(description="trials at once (default 1)", ge=1,
                                           le=256)] = None
     metric: Annotated[str | None, Field(description="the metric that decides (default: the "
@@ -925,7 +929,8 @@ class CreateSweepIn(In):
                          Field(description="whether lower or higher is better")] = None
     early_stopping: Annotated[dict[str, Any] | None, Field(
         description="{'rule': 'asha', 'min_steps': 50, 'eta': 3} or {'rule': 'median', "
-                    "'warmup_steps': 100, 'min_trials': 3}")] = None
+                    "'warmup_steps': 100, 'min_trials': 3}; with a sampler also Optuna's "
+                    "{'rule': 'optuna-median'} or {'rule': 'hyperband'}")] = None
     gpus: Annotated[int | None, Field(description="GPUs per trial (default 1)", ge=0,
                                       le=64)] = None
     cpu_only: Annotated[bool | None, Field(description="trials need no GPU")] = None

@@ -33,6 +33,9 @@ def add_parser(subparsers):
                         "wd=uniform:0:0.1, n=int_uniform:1:8, opt=choice:sgd,adam")
     p.add_argument("--trials", type=int, metavar="N", help="how many trials (random draws)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--sampler", choices=("tpe", "cmaes", "qmc", "random", "grid"),
+                   help="ask Optuna's sampler for each trial's parameters as it launches "
+                        "(needs pip install 'gpuplane[optuna]' on the server)")
     p.add_argument("--parallel", type=int, metavar="N", help="trials at once (default 1)")
     p.add_argument("-g", "--gpus", type=int, metavar="N", help="GPUs per trial (default 1)")
     p.add_argument("--cpu-only", action="store_true", default=None)
@@ -56,8 +59,9 @@ def add_parser(subparsers):
                    help="checkpoint retention per trial: the best K by the metric")
     p.add_argument("--keep-last", type=int, metavar="L",
                    help="... and the last L of each run")
-    p.add_argument("--early-stop", choices=("median", "asha", "none"),
-                   help="early stopping rule")
+    p.add_argument("--early-stop", choices=("median", "asha", "optuna-median", "hyperband",
+                                            "none"),
+                   help="early stopping rule (optuna-median and hyperband need --sampler)")
     p.add_argument("--warmup-steps", type=int, help="median: steps before it judges")
     p.add_argument("--min-trials", type=int, help="median: other trials needed at a step")
     p.add_argument("--min-steps", type=int, help="asha: the first rung's step")
@@ -128,7 +132,7 @@ def build_spec(args):
         except tomllib.TOMLDecodeError as e:
             raise CliError(f"{args.file} is not valid TOML: {e}") from None
         base_dir = os.path.dirname(os.path.abspath(args.file))
-    for key in ("name", "trials", "seed", "parallel", "gpus", "cpu_only", "priority",
+    for key in ("name", "trials", "seed", "sampler", "parallel", "gpus", "cpu_only", "priority",
                 "max_attempts", "metric", "direction", "project", "experiment", "watch_dir",
                 "tb_dir", "eval_command", "working_dir"):
         v = getattr(args, key, None)
@@ -224,6 +228,11 @@ def show_text(s):
     else:
         lines.append("metric: none yet (give --metric, or define the experiment's primary "
                      "metric)")
+    if s.get("sampler"):
+        study = s.get("study") or {}
+        said = ", ".join(f"{n} {k.lower()}" for k, n in sorted(study.get("trials", {}).items()))
+        lines.append(f"sampler: {s['sampler']} (Optuna" + (f"; study: {said}" if said else "")
+                     + ")")
     es = s.get("early_stopping")
     if es:
         lines.append("early stopping: " + ", ".join(f"{k} {v}" for k, v in es.items()))
@@ -256,7 +265,7 @@ def cmd_show(args):
         elif t["failure_kind"] and t["state"] == "FAILED":
             note_ = t["failure_kind"] + (f" (exit {t['exit_code']})" if t["exit_code"] else "")
         rows.append([t["number"], t["job_id"] or "", t["state"],
-                     *(_num(t["params"].get(n)) for n in names),
+                     *(_num((t["params"] or {}).get(n)) for n in names),
                      _num(v.get("value")), _num(v.get("step")), note_])
     print()
     print_table(rows, ["TRIAL", "JOB", "STATE", *(n.upper() for n in names),

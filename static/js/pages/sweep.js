@@ -59,6 +59,7 @@ export async function render(root, [id]) {
     replace(facts,
       h("p", {}, `${s.trials} trials, ${s.parallel} at once · ${s.project} / ${s.experiment || "-"} · metric `,
         h("strong", { text: m.key || "none yet" }), m.direction ? ` (${m.direction}, from the ${m.from})` : ""),
+      s.sampler ? h("p", { class: "muted", text: `sampler: ${s.sampler} (Optuna)` }) : null,
       s.early_stopping ? h("p", { class: "muted", text: "early stopping: " + Object.entries(s.early_stopping).map(([k, v]) => `${k} ${v}`).join(", ") }) : null,
       s.stop_reason ? h("p", { class: "notice error", id: "stop-reason", text: `stopped: ${s.stop_reason}` }) : null,
       Object.keys(s.trial_states || {}).length ? h("p", { id: "trial-counts", class: "muted" }, "trials: " + Object.entries(s.trial_states).map(([k, n]) => `${n} ${k.toLowerCase().replaceAll("_", "-")}`).join(", ")) : null,
@@ -71,7 +72,7 @@ export async function render(root, [id]) {
     replace(body, s.trials_detail.map((t) => h("tr", { "data-trial": t.number, class: b && b.trial === t.number ? "leader" : "" },
       h("td", {}, t.job_id ? h("a", { href: `#/jobs/${t.job_id}`, text: `#${t.number}` }) : h("span", { text: `#${t.number}` })),
       h("td", {}, stateBadge(t.state)),
-      names.map((n) => h("td", { class: "num", text: String(t.params[n]) })),
+      names.map((n) => h("td", { class: "num", text: t.params ? String(t.params[n]) : "" })),   // null: a sampler's trial not asked yet
       h("td", { class: "num", text: t.value ? fmtNum(t.value.value) : "" }),
       h("td", { class: "num", text: t.value ? String(t.value.step) : "" }),
       h("td", { class: "small", text: t.stopped ? t.stopped.message : t.state === "FAILED" ? (t.failure_kind || "") : "" }))));
@@ -83,10 +84,10 @@ export async function render(root, [id]) {
     const name = pick.value;
     const spec = s.parameters[name];
     const log = spec && !Array.isArray(spec) && spec.type === "log_uniform";
-    const pts = s.trials_detail.filter((t) => t.value && typeof t.value.value === "number")
+    const pts = s.trials_detail.filter((t) => t.params && t.value && typeof t.value.value === "number")
       .map((t) => ({ trial: t.number, x: t.params[name], y: t.value.value, state: t.state }));
     const categorical = pts.some((p) => typeof p.x !== "number");
-    const cats = categorical ? [...new Set(s.trials_detail.map((t) => String(t.params[name])))] : [];
+    const cats = categorical ? [...new Set(s.trials_detail.filter((t) => t.params).map((t) => String(t.params[name])))] : [];
     const dpr = window.devicePixelRatio || 1;
     const W = Math.min(640, (canvas.parentElement && canvas.parentElement.clientWidth) || 640), H = 320;
     canvas.width = W * dpr; canvas.height = H * dpr;
