@@ -215,8 +215,8 @@ class _Study:
         trial = self.study.ask(self.space)
         if params is not None and not self.grid:
             trial.relative_params     # noqa: B018 -- drawn as at the first ask (docstring)
-        if params is not None and trial.params != params:
-            # only the grid sampler is asked plainly in a replay; it is deterministic
+        if self.grid and params is not None and trial.params != params:
+            # the grid sampler is asked plainly in a replay: it is deterministic
             raise SamplerError(f"trial {number}: the grid sampler gave {trial.params} where "
                                f"the trial ran with {params}")
         self.running[number] = trial

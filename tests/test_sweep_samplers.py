@@ -140,6 +140,60 @@ def test_a_rebuilt_grid_study_visits_each_point_once():
     assert len(points) == 10 and len(after) == 10
 
 
+def test_a_failed_trial_run_again_is_told_again_with_its_parameters(tmp_path):
+    """The Sweeper's passes on a real database, the trials' jobs ended by hand: the first
+    three fail (told FAIL; the sweep stops), one is marked for a re-run (as `sweep
+    retry-failed` marks it), runs again with the same parameters, and is told again
+    through a study rebuilt with it running."""
+    from gpuplane.db import Database, sweeps as db_sweeps
+    from gpuplane.lifecycle import Lifecycle
+    db = Database(tmp_path / "gpuctl.db")
+    lc = Lifecycle(db)
+    spec, params = sweeps.parse_spec({"command": "t {x}", "trials": 4, "parallel": 3,
+                                      "sampler": "random", "metric": "loss",
+                                      "direction": "min", "parameters": {
+                                          "x": {"type": "uniform", "low": 0, "high": 1}}})
+    spec["job"] = {"working_dir": "/w", "gpus": 0, "cpu_only": True, "priority": 0,
+                   "max_attempts": 1, "env": {}}
+    with lc.transaction() as t:
+        sid = db_sweeps.create(t.conn, "s", "default", "", spec, [None] * len(params))
+    sweeper = sweeps.Sweeper(db, lc)
+
+    def step():
+        sweeper.step(db_sweeps.get(db, sid))
+        return db_sweeps.trials(db, sid)
+
+    def end(job_id, state="FAILED"):
+        with lc.transaction() as t:
+            t.conn.execute("UPDATE jobs SET state = ? WHERE id = ?", (state, job_id))
+
+    trials = step()
+    assert [t["params"] is not None for t in trials] == [True, True, True, False]
+    asked = [t["params"] for t in trials[:3]]
+    for t in trials[:3]:
+        end(t["job_id"])
+    trials = step()
+    assert [t["told"] for t in trials] == [{"state": "FAIL", "why": "FAILED"}] * 3 + [None]
+    assert db_sweeps.get(db, sid)["state"] == "STOPPED"
+    with lc.transaction() as t:                 # what POST .../retry-failed does
+        db_sweeps.set_trial_retry(t.conn, trials[0]["id"], True)
+        db_sweeps.set_state(t.conn, sid, "RUNNING")
+    trials = step()          # the re-run, and the last trial in the room left
+    assert trials[0]["job_state"] == "QUEUED" and trials[0]["told"] is None
+    assert trials[0]["params"] == asked[0] and trials[3]["params"] not in asked
+    # rebuilt for the last trial's ask: the re-run replayed as running
+    assert sweeper.studies.summary(sid)["rebuilds"] == 2
+    assert sweeper.studies.summary(sid)["trials"] == {"RUNNING": 2, "FAIL": 2}
+    end(trials[0]["job_id"])
+    end(trials[3]["job_id"], "SUCCEEDED")       # logged nothing: FAIL all the same
+    trials = step()
+    assert trials[0]["told"]["state"] == "FAIL"
+    assert trials[3]["told"] == {"state": "FAIL", "why": "the trial logged no loss"}
+    assert sweeper.studies.summary(sid)["trials"] == {"FAIL": 4}
+    assert [t["params"] for t in trials[:3]] == asked
+    assert db_sweeps.get(db, sid)["state"] == "DONE"
+
+
 # -- live -----------------------------------------------------------------------------------
 
 TRIAL = """\
