@@ -399,3 +399,45 @@ def test_a_restart_rebuilds_the_study_and_loses_or_repeats_no_trial(tmp_path):
         agent.stop()
         server.stop()
         kill_leftover_jobs(agent.home)
+
+
+def test_optunas_median_pruner_judges_a_running_trial_from_its_curve():
+    spec, _ = spec_of(sampler="random", early_stopping={"rule": "optuna-median",
+                                                         "min_trials": 2})
+    st = samplers.Studies()
+    st.rebuild({"id": 3, "spec": spec}, "min", [], {})
+    good = [(s, 1.0 / s) for s in range(1, 11)]
+    for n in (0, 1):
+        st.ask(3, n)
+        st.tell(3, n, {"state": "COMPLETE", "value": good[-1][1], "step": 10}, good)
+    st.ask(3, 2)
+    assert st.prune(3, 2, [(s, 0.5 / s) for s in range(1, 4)], "loss") is None   # better
+    st.ask(3, 3)
+    d = st.prune(3, 3, [(s, 2.0 + 1.0 / s) for s in range(1, 4)], "loss")
+    assert d["rule"] == "optuna-median" and d["step"] == 3 and d["value"] == pytest.approx(2 + 1 / 3)
+    assert "Optuna's MedianPruner at step 3" in d["message"]
+    st.tell(3, 3, {"state": "PRUNED", "value": d["value"], "step": 3})
+    assert st.summary(3)["trials"] == {"COMPLETE": 2, "RUNNING": 1, "PRUNED": 1}
+
+
+def test_hyperband_runs_from_the_same_pass():
+    spec, _ = spec_of(sampler="random", early_stopping={"rule": "hyperband", "min_steps": 1,
+                                                         "max_steps": 27})
+    st = samplers.Studies()
+    st.rebuild({"id": 4, "spec": spec}, "max", [], {})
+    decisions = []
+    for n in range(12):
+        st.ask(4, n)
+        curve = [(s, 1 - n * 0.05 + s * 0.01) for s in range(1, 28)]     # each worse
+        d = st.prune(4, n, curve, "acc")
+        decisions.append(d)
+        st.tell(4, n, {"state": "PRUNED", "value": curve[-1][1], "step": 27} if d else
+                {"state": "COMPLETE", "value": curve[-1][1], "step": 27}, curve)
+    assert any(d and d["rule"] == "hyperband" for d in decisions)
+
+
+def test_mcp_create_sweep_passes_the_sampler_through():
+    from mcp_server import CreateSweepIn
+    a = CreateSweepIn(command="t {lr}", working_dir="/w", parameters={"lr": [0.1]},
+                      sampler="grid")
+    assert a.model_dump(exclude_none=True)["sampler"] == "grid"
