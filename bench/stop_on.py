@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import requests
 

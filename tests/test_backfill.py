@@ -66,6 +66,12 @@ def test_the_head_says_when_it_is_reserved_to_start(tmp_path, monkeypatch, capsy
         assert cli.main(["--server", server.url, "job", "show", str(head["id"])]) == 0
         out = capsys.readouterr().out
         assert "expected start" in out and "an estimate from the time limits" in out
+        assert cli.main(["--server", server.url, "status"]) == 0
+        import time
+        at = time.strftime("%H:%M:%S", time.localtime(waiting["expected_start"] / 1000))
+        row = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.split()[:2] == ["1", str(head["id"])])
+        assert at in row and "reserved to start at" in row
         api.post(f"/api/v1/jobs/{first['id']}/cancel")
         api.post(f"/api/v1/jobs/{head['id']}/cancel")
     finally:

@@ -84,10 +84,20 @@ def cmd_status(args):
     print(f"queue: {len(queue)} job{'s' if len(queue) != 1 else ''}, in the order they "
           "will be considered")
     print_table([[i, j["id"], j.get("name"), j.get("priority"), wants(j),
-                  duration(j.get("created_at")), j.get("pending_reason") or "waiting for a slot"]
+                  duration(j.get("created_at")), _starts(j),
+                  j.get("pending_reason") or "waiting for a slot"]
                  for i, j in enumerate(queue, 1)],
-                ["#", "ID", "NAME", "PRIO", "WANTS", "WAITING", "REASON"])
+                ["#", "ID", "NAME", "PRIO", "WANTS", "WAITING", "STARTS ~", "REASON"])
     return EXIT_OK
+
+
+def _starts(job):
+    """A queued job's expected start (an estimate, docs/scheduling.md): a clock time,
+    "?" where a job it waits for has no limit, blank where none is planned (CPU jobs)."""
+    if job.get("expected_start"):
+        import time
+        return time.strftime("%H:%M:%S", time.localtime(job["expected_start"] / 1000))
+    return "?" if not job.get("cpu_only") and job.get("pending_reason") else ""
 
 
 def cmd_whoami(args):

@@ -113,6 +113,9 @@ export async function render(root, [id]) {
       fact("Attempt", `${job.attempt} of ${job.max_attempts}`),
       fact("Waiting because", job.state === "QUEUED" ? job.pending_reason || "next when a slot frees"
         : job.state === "DISPATCHED" ? job.pending_reason : null),
+      fact("Expected start", job.state === "QUEUED" && !job.cpu_only ? (job.expected_start
+        ? `${fmtTime(job.expected_start)} (an estimate from the time limits of the jobs before it)`
+        : "unknown: a job it waits for has no time limit") : null),
       fact("Slurm job", job.slurm_job_id),
       fact("Stopped", isStopped(job) ? `${job.end}: ${(job.stop_reason || {}).message || ""}` : null),
       fact("Sweep", job.sweep_id ? h("a", { href: `#/sweeps/${job.sweep_id}`, text: `sweep #${job.sweep_id}${job.config && job.config.sweep ? `, trial ${job.config.sweep.trial}` : ""}` }) : null),
