@@ -1034,6 +1034,12 @@ def resolve_command(command, working_dir, env):
     return list(command), path
 
 
+def _seconds(s):
+    s = int(s)
+    return (f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else
+            f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
+
+
 def classify_exit(exit_info, log_path, cancel_info):
     """-> (failure_kind, message) for an exit file."""
     if exit_info.get("failure_kind"):
@@ -1046,6 +1052,9 @@ def classify_exit(exit_info, log_path, cancel_info):
         term_at = cancel_info.get("term_at")
         if code == 0 and not sig and (term_at is None or ended <= term_at):
             return None, None
+        if cancel_info.get("timeout"):
+            return "TIMEOUT", (f"stopped at its time limit of {_seconds(cancel_info['timeout'])}"
+                               " (--time); a longer limit or a resume from its checkpoint")
         return "CANCELLED", "cancelled"
     if code == 0 and not sig:
         return None, None
@@ -1127,6 +1136,12 @@ class Attempt:
         self.tb_dir = start.get("tb_dir")
         self.watch_dir = start.get("watch_dir")
         self.container = spec.get("container")   # a container's name, for image jobs
+        # its time limit and the warning before it, [signal name, seconds before]
+        # (docs/scheduling.md); the runner enforces them unless the launcher's own does
+        self.time_limit_s = start.get("time_limit_s")
+        self.time_signal = start.get("time_signal")
+        self.warned = False
+        self.started_wall = None          # when its command started (the `pid` file's mtime)
         # which launcher runs it (LAUNCHERS): spec.json says since it records it
         self.launcher_kind = spec.get("launcher") or ("docker" if self.container else None)
         self.launcher = None              # set by the runner: that launcher
@@ -1224,6 +1239,9 @@ def shim_record(exec_record):
 #   alive(att)                    whether the attempt may still run (no `exit` expected yet)
 #   enforce_cancel(att, cancel)   -> True once nothing of the job is left
 #   classify(att, exit info)      -> the exit as the job saw it (a container's own code)
+#   signal(att, name)             a signal to the running job (the warning before its limit)
+#   limits_time                   True where the launcher's own system stops a job at its
+#                                 limit (Slurm's --time); else the runner does
 #   clean(active), warm(), close()  leftovers of lost attempts; start and stop
 #
 # A new runner kind is one class here and one row in LAUNCHERS.
@@ -1290,6 +1308,13 @@ class ProcessLauncher:
 
     def clean(self, active):
         pass
+
+    limits_time = False
+
+    def signal(self, att, name):
+        info = att.pid()
+        if info:
+            _killpg(info["pid"], getattr(signal, "SIG" + name))
 
     def warm(self):
         """Start the shim if it is not running (the runner calls this at start, so the
@@ -1668,6 +1693,11 @@ class DockerLauncher:
     def alive(self, att):
         return self.process.alive(att)
 
+    limits_time = False
+
+    def signal(self, att, name):
+        self.process.signal(att, name)      # `docker run` hands it to the container
+
     def enforce_cancel(self, att, cancel):
         if att.container and not att.container_stop_sent:
             att.container_stop_sent = True
@@ -2008,6 +2038,11 @@ class SlurmLauncher:
 
     def pack(self, exec_record):
         return None                 # sbatch reads the record from spec.json
+
+    limits_time = True              # sbatch --time and --signal
+
+    def signal(self, att, name):
+        pass
 
     def classify(self, att, exit_info):
         return exit_info
@@ -3305,13 +3340,15 @@ class Runner(Worker):
         if now >= att.next_hook and room > 0 and att.run_id is not None and att.pid():
             att.next_hook = now + self.hook_interval_s
             self._hooks(att, emit)
+        limit_due = self._time_limit(att) if att.time_limit_s else None
         cancel = read_json(att.file("cancel"))
         if cancel is not None and not att.launcher.enforce_cancel(att, cancel):
             return now + RECHECK_S      # inside the grace period with survivors
         exit_info = read_json(att.file("exit"))
         if exit_info is None:
             if att.launcher.alive(att) or att.command_alive():
-                return self._next_look(att, now, got_lines)
+                due = self._next_look(att, now, got_lines)
+                return due if limit_due is None else min(due, limit_due)
             exit_info = read_json(att.file("exit"))   # the shim may have just finished
             if exit_info is None:
                 exit_info = exit_record(failure_kind="LOST",
@@ -3328,6 +3365,39 @@ class Runner(Worker):
             return now + BACKLOG_WAIT_S   # the server has a backlog to ack first
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
+
+    def _time_limit(self, att):
+        """The job's time limit (docs/scheduling.md), where its launcher leaves it to the
+        runner: the warning signal `lead` seconds before, then at the limit a stop as a
+        cancel (SIGTERM, SIGKILL after the grace) that ends it TIMEOUT. -> the monotonic
+        time of the next of them, or None (nothing left to do, or not running yet)."""
+        if att.launcher.limits_time or att.final:
+            return None
+        if att.started_wall is None:
+            if not att.pid():
+                return None
+            try:        # the shim writes `pid` as it spawns: when the command started
+                att.started_wall = os.stat(att.file("pid")).st_mtime
+            except OSError:
+                return None
+        ran = time.time() - att.started_wall
+        name, lead = (att.time_signal or ["USR1", 0])[:2]
+        warn_at = att.time_limit_s - (lead or 0)
+        if not att.warned and lead and warn_at <= ran < att.time_limit_s:
+            att.warned = True
+            log.info("job %s attempt %s: SIG%s, %ss before its time limit", att.job_id,
+                     att.attempt, name, lead)
+            att.launcher.signal(att, name)
+        if ran >= att.time_limit_s:
+            if not os.path.exists(att.file("cancel")):
+                log.info("job %s attempt %s: its time limit (%ss) is reached; stopping it",
+                         att.job_id, att.attempt, att.time_limit_s)
+                write_json_atomic(att.file("cancel"), {"requested_at": now_ms(),
+                                                       "timeout": att.time_limit_s},
+                                  private=True)
+            return None
+        left = (warn_at if not att.warned and lead else att.time_limit_s) - ran
+        return time.monotonic() + max(0.05, left)
 
     def _writers_near(self):
         """The Writers of every attempt that may have written a file a running one finds:

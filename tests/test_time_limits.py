@@ -156,3 +156,28 @@ def test_the_cli_sends_time_and_preemptible_and_sets_project_defaults(live_serve
     assert "1h30m (SIGUSR2 30 s before)" in shown.stdout
     out = cli("job", "submit", "--cpu-only", "--time", "0", "--", "true")
     assert out.returncode == 2 and "more than zero" in out.stderr
+
+
+def test_a_job_past_its_limit_is_warned_then_ends_timeout(live_server, agent, tmp_path):
+    """A real agent: SIGUSR1 `lead` seconds before the limit (the job saves and logs it),
+    then the stop; the job ends FAILED with kind TIMEOUT and is not retried."""
+    import sys
+    from procs import wait_for
+    (tmp_path / "t.py").write_text(
+        "import signal, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: print('SIGUSR1: checkpoint saved', "
+        "flush=True))\n"
+        "time.sleep(120)\n")
+    api = live_server.api
+    job = api.post("/api/v1/jobs", {"command": [sys.executable, "t.py"], "cpu_only": True,
+                                    "working_dir": str(tmp_path), "time_limit": "3s",
+                                    "time_signal": "USR1@2", "max_attempts": 3},
+                   expect=201)
+    done = wait_for(lambda: (j := api.job(job["id"]))["state"] in ("SUCCEEDED", "FAILED",
+                                                                    "CANCELLED") and j,
+                    60, what="the job to reach its limit")
+    assert done["state"] == "FAILED" and done["failure_kind"] == "TIMEOUT", done
+    assert done["attempt"] == 1                    # a timeout is never retried
+    assert "time limit of 3s" in done["message"]
+    lines = api.get(f"/api/v1/jobs/{job['id']}/logs")["lines"]
+    assert any("SIGUSR1: checkpoint saved" in ln["text"] for ln in lines)

@@ -186,6 +186,7 @@ def test_without_its_file_the_agent_says_so():
 # -- the launchers: one interface, one table (issue 34) -----------------------------------
 
 INTERFACE = {"kind", "for_runner", "takes", "exec_spec", "pack", "launch", "adopt", "poll",
+             "signal", "limits_time",
              "due", "alive", "enforce_cancel", "classify", "clean", "warm", "close"}
 
 

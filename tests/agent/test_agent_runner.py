@@ -320,3 +320,34 @@ def test_retention_removes_old_attempt_files_and_keeps_the_guard(tmp_path, hosts
     h.runner.handle_start(start_msg(60, "echo old", tmp_path))    # never runs again
     wait_until(lambda: len(h.exited(60)) == 2, what="re-reported")
     assert h.runner.remove_old_attempts() == 0
+
+
+WARNED = """\
+import signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *a: print("warned: saving a checkpoint", flush=True))
+print("training", flush=True)
+for _ in range(600):
+    time.sleep(0.05)
+print("finished", flush=True)
+"""
+
+
+def test_a_job_gets_its_warning_then_is_stopped_at_its_time_limit(tmp_path, hosts):
+    h = hosts(tmp_path / "home", kill_grace_s=1.0)
+    write_script(tmp_path / "warned.py", WARNED)
+    h.runner.handle_start(start_msg(31, [PY, "warned.py"], tmp_path, time_limit_s=2,
+                                    time_signal=["USR1", 1]))
+    rec = h.wait_exited(31, timeout=30)
+    assert rec["failure_kind"] == "TIMEOUT", rec
+    assert "time limit of 2s" in rec["message"]
+    text = [ln["text"] if isinstance(ln, dict) else ln for ln in log_lines(h.outbox, 31)]
+    joined = " ".join(map(str, text))
+    assert "warned: saving a checkpoint" in joined and "finished" not in joined
+
+
+def test_a_job_that_ends_within_its_limit_is_not_touched(tmp_path, hosts):
+    h = hosts(tmp_path / "home")
+    h.runner.handle_start(start_msg(32, [PY, "-c", "print('done')"], tmp_path,
+                                    time_limit_s=30, time_signal=["USR1", 10]))
+    rec = h.wait_exited(32)
+    assert rec["failure_kind"] is None and rec["exit_code"] == 0
