@@ -1034,6 +1034,32 @@ def resolve_command(command, working_dir, env):
     return list(command), path
 
 
+def catches(att, name):
+    """Whether a process of the attempt's command (it, or a descendant) handles the signal
+    (/proc/PID/status SigCgt): the server's default warning goes only to a program that
+    does, since the default action of SIGUSR1 is to end it."""
+    info = att.pid()
+    if not info:
+        return False
+    bit = 1 << (getattr(signal, "SIG" + name) - 1)
+    try:
+        procs = [psutil.Process(info["pid"])]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return False
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("SigCgt:"):
+                        if int(line.split()[1], 16) & bit:
+                            return True
+                        break
+        except OSError:
+            continue
+    return False
+
+
 def _seconds(s):
     s = int(s)
     return (f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else
@@ -1140,6 +1166,7 @@ class Attempt:
         # (docs/scheduling.md); the runner enforces them unless the launcher's own does
         self.time_limit_s = start.get("time_limit_s")
         self.time_signal = start.get("time_signal")
+        self.time_signal_asked = bool(start.get("time_signal_asked"))
         self.warned = False
         self.started_wall = None          # when its command started (the `pid` file's mtime)
         # which launcher runs it (LAUNCHERS): spec.json says since it records it
@@ -3385,9 +3412,14 @@ class Runner(Worker):
         warn_at = att.time_limit_s - (lead or 0)
         if not att.warned and lead and warn_at <= ran < att.time_limit_s:
             att.warned = True
-            log.info("job %s attempt %s: SIG%s, %ss before its time limit", att.job_id,
-                     att.attempt, name, lead)
-            att.launcher.signal(att, name)
+            if att.time_signal_asked or catches(att, name):
+                log.info("job %s attempt %s: SIG%s, %ss before its time limit", att.job_id,
+                         att.attempt, name, lead)
+                att.launcher.signal(att, name)
+            else:       # its default action would end it: the warning would be the stop
+                log.info("job %s attempt %s: no SIG%s before its time limit: no process of "
+                         "it handles that signal (--signal sends it anyway)", att.job_id,
+                         att.attempt, name)
         if ran >= att.time_limit_s:
             if not os.path.exists(att.file("cancel")):
                 log.info("job %s attempt %s: its time limit (%ss) is reached; stopping it",

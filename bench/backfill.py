@@ -108,7 +108,10 @@ def run_arm(arm, jobs_, args, home):
     busy = sum(d["gpus"] * (d["ended_at"] - d["started_at"]) for d in done)
     waits = sorted((d["started_at"] - d["created_at"]) / 1000 for d in done)
     late = sum(1 for d in done if d["id"] in reserved and d["started_at"] > reserved[d["id"]] + 1000)
-    states = {d["state"] for d in done}
+    states = {}
+    for d in done:
+        k = d["state"] + (f" {d['failure_kind']}" if d.get("failure_kind") else "")
+        states[k] = states.get(k, 0) + 1
     return {"arm": arm, "util": busy / (NODES * GPUS * (last - first)),
             "wait": statistics.mean(waits), "p90": waits[int(0.9 * (len(waits) - 1))],
             "span": (last - first) / 1000, "late": late, "reserved": len(reserved),
@@ -140,7 +143,7 @@ def main():
             rows.append(r)
             print(f"{arm:10s} utilisation {100 * r['util']:5.1f} %  mean wait {r['wait']:6.2f} s"
                   f"  p90 {r['p90']:6.2f} s  span {r['span']:6.1f} s  started after their "
-                  f"reservation: {r['late']} of {r['reserved']}  ends {sorted(r['states'])}  "
+                  f"reservation: {r['late']} of {r['reserved']}  ends {r['states']}  "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)

@@ -124,6 +124,9 @@ class Gateway:
                 # the limit, and the warning before it (docs/scheduling.md)
                 "time_limit_s": job.get("time_limit_s"),
                 "time_signal": self.time_signal(job),
+                # the job asked for it (--signal): sent even to a program that does not
+                # handle it (the server's default goes only to one that does)
+                "time_signal_asked": bool(job.get("time_signal")),
                 "server_url": self.server_url(), "ingest_token": ingest_token,
                 # an evaluation needs its checkpoint: gone, the attempt is DISPATCH_FAILED
                 "require_paths": [job["env"]["GPUCTL_CHECKPOINT_PATH"]]

@@ -351,3 +351,20 @@ def test_a_job_that_ends_within_its_limit_is_not_touched(tmp_path, hosts):
                                     time_limit_s=30, time_signal=["USR1", 10]))
     rec = h.wait_exited(32)
     assert rec["failure_kind"] is None and rec["exit_code"] == 0
+
+
+def test_the_default_warning_spares_a_program_that_does_not_handle_it(tmp_path, hosts):
+    """SIGUSR1's default action ends a program: the server's warning goes only to one
+    that handles it; the limit still stops the other (TIMEOUT), and --signal (asked)
+    would send it anyway."""
+    h = hosts(tmp_path / "home", kill_grace_s=1.0)
+    script = write_script(tmp_path / "plain.py", "import time\nprint('up', flush=True)\n"
+                          "time.sleep(60)\n")
+    h.runner.handle_start(start_msg(33, [PY, script], tmp_path, time_limit_s=3,
+                                    time_signal=["USR1", 2]))
+    rec = h.wait_exited(33, timeout=30)
+    assert rec["failure_kind"] == "TIMEOUT" and rec["signal"] != 10, rec
+    h.runner.handle_start(start_msg(34, [PY, script], tmp_path, time_limit_s=3,
+                                    time_signal=["USR1", 2], time_signal_asked=True))
+    rec = h.wait_exited(34, timeout=30)
+    assert rec["signal"] == 10 and rec["failure_kind"] == "EXIT_CODE", rec   # it asked
