@@ -26,7 +26,6 @@ import pathlib
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench import harness  # noqa: E402
-from bench.harness import ROOT, free_port, start_server, stop_server  # noqa: E402
+from bench.harness import free_port, start_agent, start_server, stop_agent, stop_server  # noqa: E402,E501
 
 NODES, GPUS = 4, 8
 
@@ -63,12 +62,8 @@ def trace(n, seed, unlimited_share):
 def run_arm(arm, jobs_, args, home):
     server, url, token = start_server(home / f"server-{arm}", free_port(),
                                       extra=f'scheduling = "{arm}"\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
-    agents = [subprocess.Popen(
-        [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
-         "--name", f"n{k}", "--home", str(home / f"agent-{arm}-{k}"), "--fake-gpus", str(GPUS),
-         "--cpu-slots", "0"], cwd=ROOT, env=env, stdout=open(home / f"agent-{arm}-{k}.log", "ab"),
-        stderr=subprocess.STDOUT, start_new_session=True) for k in range(NODES)]
+    agents = [start_agent(url, token, f"n{k}", home / f"agent-{arm}-{k}", "--fake-gpus", GPUS,
+                          "--cpu-slots", 0) for k in range(NODES)]
     s = requests.Session()
     s.headers["Authorization"] = f"Bearer {token}"
     try:
@@ -96,12 +91,7 @@ def run_arm(arm, jobs_, args, home):
         done = [s.get(f"{url}/api/v1/jobs/{i}", timeout=30).json() for i in ids]
     finally:
         for a in agents:
-            a.terminate()
-        for a in agents:
-            try:
-                a.wait(15)
-            except subprocess.TimeoutExpired:
-                a.kill()
+            stop_agent(a)
         stop_server(server)
     first = min(d["created_at"] for d in done)
     last = max(d["ended_at"] for d in done)

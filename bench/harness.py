@@ -49,6 +49,26 @@ def start_server(home, port, threads=64, extra=""):
     return proc, url, token
 
 
+def start_agent(url, token, name, home, *args):
+    """Start agent.py for `url` as node `name` with its home and extra flags (--fake-gpus
+    4, ...), its output in HOME.log; returns the process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
+    home = pathlib.Path(home)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
+         "--name", name, "--home", str(home), *map(str, args)],
+        cwd=ROOT, env=env, stdout=open(str(home) + ".log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def stop_agent(proc):
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def stop_server(proc):
     try:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -20,7 +20,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -28,7 +27,7 @@ import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench import harness  # noqa: E402
-from bench.harness import ROOT, free_port, start_server, stop_server  # noqa: E402
+from bench.harness import free_port, start_agent, start_server, stop_agent, stop_server  # noqa: E402,E501
 
 JOB = """\
 import os, sys, time
@@ -73,13 +72,8 @@ def main():
     work.mkdir(parents=True)
     (work / "job.py").write_text(JOB)
     server, url, token = start_server(home / "server", free_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
-    agent = subprocess.Popen(
-        [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
-         "--name", "bench", "--home", str(home / "agent"), "--fake-gpus", "0",
-         "--cpu-slots", "2"],
-        cwd=ROOT, env=env, stdout=open(home / "agent.log", "ab"), stderr=subprocess.STDOUT,
-        start_new_session=True)
+    agent = start_agent(url, token, "bench", home / "agent", "--fake-gpus", 0,
+                        "--cpu-slots", 2)
     s = requests.Session()
     s.headers["Authorization"] = f"Bearer {token}"
     rows = []
@@ -97,11 +91,7 @@ def main():
                       f"{r['event_step']}  end - event {r['after_event_s']:.2f} s  "
                       f"({r['end']})  load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
-        agent.terminate()
-        try:
-            agent.wait(15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop_agent(agent)
         stop_server(server)
         shutil.rmtree(home, ignore_errors=True)
     stop = [r for r in rows if r["arm"] == "stop"]

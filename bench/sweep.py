@@ -22,7 +22,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,8 @@ import requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench import harness  # noqa: E402
-from bench.harness import ROOT, free_port, start_server, stop_server  # noqa: E402
+from bench.harness import (ROOT, free_port, start_agent, start_server, stop_agent,  # noqa: E402
+                           stop_server)
 
 RULES = {
     "none": None,
@@ -98,12 +98,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "examples" / "cpu" / "train.py", work / "train.py")
     server, url, token = start_server(home / "server", free_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCTL_")}
-    agent = subprocess.Popen(
-        [sys.executable, str(ROOT / "agent.py"), "--server", url, "--token", token,
-         "--name", "bench", "--home", str(home / "agent"), "--fake-gpus", "4"],
-        cwd=ROOT, env=env, stdout=open(home / "agent.log", "ab"), stderr=subprocess.STDOUT,
-        start_new_session=True)
+    agent = start_agent(url, token, "bench", home / "agent", "--fake-gpus", 4)
     s = requests.Session()
     s.headers["Authorization"] = f"Bearer {token}"
     results = []
@@ -123,11 +118,7 @@ def main():
                       f"{res['best_trial']} (lr {res['best_lr']}, val/loss "
                       f"{res['best_value']:.4f})  load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
-        agent.terminate()
-        try:
-            agent.wait(15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
+        stop_agent(agent)
         stop_server(server)
         if not args.keep:
             shutil.rmtree(home, ignore_errors=True)
