@@ -82,6 +82,10 @@ SETTINGS = {
     # (no job passes a waiting one) or "first-fit" (any job that fits runs now).
     "scheduling": ("backfill", lambda v: v in SCHEDULING,
                    'one of "backfill", "strict", "first-fit"'),
+    # Priority preemption (docs/scheduling.md): a preemptible job that has run less than
+    # this is never stopped for a more urgent one.
+    "preempt_min_run_s": (60, lambda v: _number(v) and v >= 0,
+                          "a number of seconds, 0 or more"),
     # The warning before a job's time limit (and before a preemption's stop): a signal
     # and the seconds before, as sbatch --signal=USR1@60. A job's --signal overrides it.
     "time_signal": ("USR1@60", lambda v: _signal_ok(v),
@@ -128,6 +132,7 @@ class ServerConfig:
     backup_interval_h: float = SERVER_DEFAULTS["backup_interval_h"]
     backup_keep: int = SERVER_DEFAULTS["backup_keep"]
     scheduling: str = SERVER_DEFAULTS["scheduling"]
+    preempt_min_run_s: float = SERVER_DEFAULTS["preempt_min_run_s"]
     time_signal: str = SERVER_DEFAULTS["time_signal"]
     events: dict = dataclasses.field(default_factory=dict)
     webhooks: list = dataclasses.field(default_factory=list)

@@ -29,8 +29,9 @@ QUEUED, DISPATCHED, STARTED = "QUEUED", "DISPATCHED", "STARTED"
 SUCCEEDED, FAILED, CANCELLED, RETRIED = "SUCCEEDED", "FAILED", "CANCELLED", "RETRIED"
 NODE_UP, NODE_DOWN = "NODE_UP", "NODE_DOWN"
 HELD, RELEASED = "HELD", "RELEASED"
+PREEMPTED = "PREEMPTED"
 TYPES = (QUEUED, DISPATCHED, STARTED, SUCCEEDED, FAILED, CANCELLED, RETRIED, NODE_UP,
-         NODE_DOWN, HELD, RELEASED)
+         NODE_DOWN, HELD, RELEASED, PREEMPTED)
 
 # What the agent reports as a lost attempt, and the kind the job records for it.
 TRANSIENT_ALIASES = {"LOST": "NODE_LOST"}
@@ -301,6 +302,14 @@ class Lifecycle:
                 failure_kind = TRANSIENT_ALIASES.get(failure_kind, failure_kind)
                 state = states.QUEUED if attempt < job["max_attempts"] else states.FAILED
             data = {"exit_code": exit_code, "failure_kind": failure_kind}
+            if state == states.CANCELLED and (stop or {}).get("reason") == PREEMPTED:
+                # stopped for a more urgent job: back in the queue at its place, to resume
+                jobs.set_requeued_after_preemption(t.conn, job_id)
+                self._event(t, RETRIED, f"job {job_id} ({job['name']}) attempt {attempt} "
+                            f"stopped for job {stop['by']}; queued again at its place, to "
+                            "resume from its last checkpoint", job=job,
+                            data={**data, "preempted_by": stop["by"]}, ts=ts)
+                return states.QUEUED
             if state == states.QUEUED:
                 jobs.set_requeued(t.conn, job_id, failure_kind, exit_code, message)
                 self._event(t, RETRIED, f"job {job_id} attempt {attempt} lost "
@@ -359,6 +368,29 @@ class Lifecycle:
                 t.commands.append(lambda: self.agents.cancel(node, job_id, attempt))
             job = jobs.fetch(t.conn, job_id)
         return job, True
+
+    def preempt(self, job_id, by, t=None):
+        """Stop a running preemptible job for the more urgent job `by` (the scheduler's
+        choice): its cancel goes to the agent, and when it has stopped it is queued again
+        at its place to resume from its last checkpoint (finished()). An event PREEMPTED
+        says who took its GPUs. Returns whether the stop was sent."""
+        with self._tx(t) as t:
+            job = jobs.fetch(t.conn, job_id)
+            urgent = jobs.fetch(t.conn, by)
+            if job is None or urgent is None or job["state"] != states.RUNNING \
+                    or job["cancel_requested"] or not job["preemptible"]:
+                return False
+            message = (f"preempted by job {by} ({urgent['name']}, priority "
+                       f"{urgent['priority']} over {job['priority']})")
+            jobs.set_preempted(t.conn, job_id, by, {"reason": PREEMPTED, "by": by,
+                                                     "message": message})
+            self._event(t, PREEMPTED, f"job {job_id} ({job['name']}) {message}: its GPUs "
+                        f"{job['gpu_indices']} on {job['node']} go to it; it resumes later",
+                        job=job, severity="warning", data={"by": by}, wake=False)
+            node, attempt = job["node"], job["attempt"]
+            if self.agents is not None:
+                t.commands.append(lambda: self.agents.cancel(node, job_id, attempt))
+        return True
 
     def retry(self, job_id, t=None, resume=False):
         """A job that ended (SUCCEEDED, FAILED or CANCELLED) goes back in the queue; its

@@ -231,6 +231,17 @@ class Scheduler(Worker):
             if got is None:
                 continue
             start, node, gpus = got
+            if start is None or start > now:
+                preempting = self._preempt(now, row, plan, left)
+                if preempting:
+                    node, ids = preempting
+                    return {"id": row["id"], "order": (-row["priority"], row["queued_at"],
+                                                       row["id"]),
+                            "start": now, "node": node, "gpus": set(plan[node]),
+                            "reason": f"preempting {', '.join(f'job {i}' for i in ids)} "
+                                      f"(lower priority, preemptible) on node {node}: it "
+                                      "starts when they have stopped",
+                            "pending_reason": self._pending(row["id"])}
             before = sorted(i for i, n, g, e in held
                             if n == node and set(g) & set(gpus) and (e is None or e > now))
             waits = ", ".join(f"job {i}" for i in before) or "the jobs there"
@@ -246,12 +257,55 @@ class Scheduler(Worker):
                           f"{'s' if len(gpus) != 1 else ''} {','.join(map(str, gpus))}), "
                           f"when {waits} reach{'es' if len(before) == 1 else ''} "
                           f"{'its' if len(before) == 1 else 'their'} time limit")
-            pending = self.db.query_one("SELECT pending_reason FROM jobs WHERE id = ?",
-                                        (row["id"],))
             return {"id": row["id"], "order": (-row["priority"], row["queued_at"], row["id"]),
                     "start": start, "node": node, "gpus": set(gpus), "reason": reason,
-                    "pending_reason": pending[0] if pending else None}
+                    "pending_reason": self._pending(row["id"])}
         return None
+
+    def _pending(self, job_id):
+        return jobs.pending_reason(self.db, job_id)
+
+    def _preempt(self, now, head, plan, left):
+        """Priority preemption (docs/scheduling.md): when the head can start only by
+        stopping preemptible jobs of lower priority that have run at least
+        preempt_min_run_s, stop the fewest of them (then the youngest) on one node.
+        -> (node, the ids stopping for it) or None. Jobs already stopping for it are not
+        added to: one preemption at a time."""
+        already = jobs.being_preempted_for(self.db, head["id"])
+        if already:
+            node = already[0][1]
+            return (node, [i for i, _n in already]) if node in plan else None
+        min_run_ms = float(self.cfg.get("preempt_min_run_s") or 0) * 1000
+        want = head["gpus"]
+        pool = [(i, n, g, started) for i, n, g, prio, started in jobs.preemptible_running(self.db)
+                if n in plan and prio < head["priority"] and started
+                and now - started >= min_run_ms]
+        best = None
+        for node, gpus in plan.items():
+            if len(gpus) < want:
+                continue
+            free = len(left.get(node, []))
+            mine = sorted((c for c in pool if c[1] == node),
+                          key=lambda c: (-len(c[2]), -c[3]))    # fewest, then youngest
+            taken, got = [], free
+            for c in mine:
+                if got >= want:
+                    break
+                taken.append(c)
+                got += len(c[2])
+            if got < want or not taken:
+                continue
+            lost = sum(now - c[3] for c in taken)                # the work a stop costs
+            key = (len(taken), lost, node)
+            if best is None or key < best[0]:
+                best = (key, node, [c[0] for c in taken])
+        if best is None:
+            return None
+        _key, node, ids = best
+        for i in ids:
+            if self.lifecycle.preempt(i, head["id"]):
+                log.info("job %d preempted for job %d on %s", i, head["id"], node)
+        return node, ids
 
     def _around(self, head, limit_ms, free, now):
         """The free slots a job behind the head may take: all but the reserved GPUs, unless

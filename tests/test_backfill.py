@@ -78,3 +78,51 @@ def test_the_head_says_when_it_is_reserved_to_start(tmp_path, monkeypatch, capsy
         agent.stop()
         server.stop()
         kill_leftover_jobs(agent.home)
+
+
+def test_an_urgent_job_preempts_a_preemptible_run_which_resumes_from_its_checkpoint(
+        tmp_path):
+    from procs import ROOT
+    server = ServerProc(tmp_path / "server", {"preempt_min_run_s": 0}).start()
+    agent = AgentProc(server, tmp_path / "agent", "box", fake_gpus=1, cpu_slots=0).start()
+    api = server.api
+    example = ROOT / "examples" / "cpu"
+    try:
+        low = api.post("/api/v1/jobs", {
+            "name": "low", "gpus": 1, "preemptible": True, "working_dir": str(example),
+            "command": [sys.executable, "train.py", "--epochs", "4", "--steps-per-epoch",
+                        "20", "--step-delay", "0.05", "--logdir", f"tb-preempt-{tmp_path.name}",
+                        "--checkpoint-dir", str(tmp_path / "ckpt-{run}")],
+            "watch_dir": None}, expect=201)
+        first_run = wait_for(lambda: (j := api.job(low["id"]))["run_id"] and j["run_id"], 30,
+                             what="low's run")
+        wait_for(lambda: api.get(f"/api/v1/runs/{first_run}/checkpoints")["checkpoints"], 60,
+                 what="low's first checkpoint")
+        urgent = api.post("/api/v1/jobs", {"name": "urgent", "gpus": 1, "priority": 10,
+                                           "command": ["true"], "working_dir": str(tmp_path)},
+                          expect=201)
+        done = wait_for(lambda: all(api.job(j["id"])["state"] == "SUCCEEDED"
+                                    for j in (low, urgent)) and True, 120,
+                        what="both to succeed")
+        assert done
+        low_now, urgent_now = api.job(low["id"]), api.job(urgent["id"])
+        assert low_now["attempt"] == 2 and low_now["preempted_by"] == urgent["id"]
+        # the urgent job ran while low waited; low's second run resumed where it stopped
+        assert urgent_now["started_at"] < low_now["started_at"]
+        evs = api.get(f"/api/v1/events?job={low['id']}&limit=50")["events"]
+        assert any(e["type"] == "PREEMPTED" and e["data"]["by"] == urgent["id"] for e in evs)
+        second = low_now["run_id"]
+        run = api.get(f"/api/v1/runs/{second}")
+        ckpts = [c["id"] for c in api.get(f"/api/v1/runs/{first_run}/checkpoints")
+                 ["checkpoints"]]
+        assert run["resumed_from"] in ckpts
+        lines = api.get(f"/api/v1/jobs/{low['id']}/logs")["lines"]
+        assert any("resumed from" in ln["text"] for ln in lines)
+        # its curve goes on from the checkpoint's step, not from 1: fewer points than steps
+        keys = {k["key"]: k for k in api.get(f"/api/v1/runs/{second}/metrics")["keys"]}
+        loss = keys["train/loss"]
+        assert loss["latest"]["step"] == 80 and loss["count"] < 80, loss
+    finally:
+        agent.stop()
+        server.stop()
+        kill_leftover_jobs(agent.home)

@@ -3,7 +3,7 @@ real SQLite file (dispatches go through the lifecycle to a recording agent stand
 import pytest
 
 from gpuplane.config import ServerConfig
-from gpuplane.db import Database, jobs, now_ms
+from gpuplane.db import Database, events, jobs, now_ms
 from gpuplane.lifecycle import Lifecycle
 from gpuplane.scheduler import Scheduler
 
@@ -47,12 +47,13 @@ def test_why_waiting(j, nodes, says):
 class Agents:
     def __init__(self):
         self.started = []
+        self.cancelled = []
 
     def start(self, job, token):
         self.started.append((job["id"], job["node"], job["gpu_indices"]))
 
     def cancel(self, node, job_id, attempt):
-        pass
+        self.cancelled.append((node, job_id, attempt))
 
 
 @pytest.fixture
@@ -386,3 +387,56 @@ def test_states_of_more_jobs_than_one_query_takes(tmp_path):
     made = [lc.submit(spec(f"j{i}"))["id"] for i in range(3)]
     found = jobs.states(db, list(range(-1200, 0)) + made)    # made: in the third part
     assert found == {i: ("QUEUED", f"j{n}") for n, i in enumerate(made)}
+
+
+def preemptible(name, priority=0, **kw):
+    return dict(spec(name, priority=priority, **kw), preemptible=True)
+
+
+def test_an_urgent_job_preempts_the_youngest_preemptible_one_which_queues_again(world):
+    db, lc, sched, agents, _ = world
+    sched.cfg = sched.cfg.replace(preempt_min_run_s=0)
+    old = lc.submit(preemptible("old"))
+    sched.tick()
+    lc.started(old["id"], 1)
+    young = lc.submit(preemptible("young"))
+    sched.tick()
+    lc.started(young["id"], 1)
+    urgent = lc.submit(spec("urgent", priority=10))
+    sched.tick()
+    # one GPU needed: the youngest of the two is stopped, once, and says who took it
+    assert agents.cancelled == [("n1", young["id"], 1)]
+    stopping = jobs.get(db, young["id"])
+    assert stopping["cancel_requested"] and stopping["preempted_by"] == urgent["id"]
+    [ev] = [e for e in events.list_events(db, job_id=young["id"]) if e["type"] == "PREEMPTED"]
+    assert f"preempted by job {urgent['id']}" in ev["message"]
+    assert jobs.get(db, urgent["id"])["pending_reason"].startswith(
+        f"preempting job {young['id']}")
+    sched.tick()
+    assert len(agents.cancelled) == 1                  # no second victim while it stops
+    # it stops: queued again at its place, to resume; the urgent job takes the GPU
+    assert lc.finished(young["id"], 1, exit_code=-15, failure_kind="CANCELLED") == "QUEUED"
+    back = jobs.get(db, young["id"])
+    assert back["state"] == "QUEUED" and back["resume"] and back["max_attempts"] >= 2
+    sched.tick()
+    assert agents.started[-1][0] == urgent["id"]
+    assert jobs.get(db, young["id"])["state"] == "QUEUED"   # behind the urgent one
+
+
+def test_no_preemption_of_a_job_that_ran_too_little_or_is_not_preemptible(world):
+    db, lc, sched, agents, _ = world
+    a = lc.submit(spec("plain"))                         # not preemptible
+    b = lc.submit(preemptible("fresh"))
+    sched.tick()
+    for j in (a, b):
+        lc.started(j["id"], 1)
+    urgent = lc.submit(spec("urgent", priority=10))
+    sched.tick()                                         # fresh ran < 60 s
+    assert agents.cancelled == []
+    assert jobs.get(db, urgent["id"])["state"] == "QUEUED"
+    same = lc.submit(spec("same-priority"))
+    sched.cfg = sched.cfg.replace(preempt_min_run_s=0)
+    sched.tick()
+    assert agents.cancelled == [("n1", b["id"], 1)]      # for urgent, not for `same`
+    assert jobs.get(db, b["id"])["preempted_by"] == urgent["id"]
+    assert jobs.get(db, same["id"])["state"] == "QUEUED"

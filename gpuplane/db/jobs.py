@@ -159,6 +159,43 @@ def running_ends(db, now):
     return out
 
 
+def preemptible_running(db):
+    """[(id, node, gpu indices, priority, started_at)] of the running preemptible GPU jobs
+    no stop has been asked of: what priority preemption may stop (gpuplane/scheduler.py)."""
+    return [(r["id"], r["node"], loads(r["gpu_indices"]) or [], r["priority"], r["started_at"])
+            for r in db.query(
+                "SELECT id, node, gpu_indices, priority, started_at FROM jobs"
+                " WHERE state = 'RUNNING' AND preemptible != 0 AND cancel_requested = 0"
+                " AND cpu_only = 0")]
+
+
+def being_preempted_for(db, job_id):
+    """[(id, node)] of the jobs still stopping because they were preempted for this one."""
+    return [(r[0], r[1]) for r in db.query(
+        "SELECT id, node FROM jobs WHERE preempted_by = ? AND cancel_requested != 0"
+        " AND state IN ('DISPATCHED', 'RUNNING') ORDER BY id", (job_id,))]
+
+
+def pending_reason(db, job_id):
+    row = db.query_one("SELECT pending_reason FROM jobs WHERE id = ?", (job_id,))
+    return row[0] if row else None
+
+
+def set_preempted(conn, job_id, by, stop_reason):
+    conn.execute("UPDATE jobs SET cancel_requested = 1, stop_reason = ?, preempted_by = ?"
+                 " WHERE id = ?", (dumps(stop_reason), by, job_id))
+
+
+def set_requeued_after_preemption(conn, job_id):
+    """Back in the queue at its place (its queued_at kept) for an attempt that resumes
+    from its last checkpoint; the attempt a preemption took does not count against it."""
+    conn.execute(
+        "UPDATE jobs SET state = 'QUEUED', node = NULL, gpu_indices = NULL, resume = 1,"
+        " cancel_requested = 0, stop_reason = NULL, failure_kind = NULL, exit_code = NULL,"
+        " message = NULL, max_attempts = MAX(max_attempts, attempt + 1) WHERE id = ?",
+        (job_id,))
+
+
 def set_expected_starts(db, starts):
     """{job id: expected start ms or None (unknown)} of queued jobs: an estimate, shown
     with the job (docs/scheduling.md); not a state change."""
