@@ -67,7 +67,7 @@ def previous_page(db, room, after, limit):
     """jobs.placement_queue as it was before 2026-12-03: every held job read at every
     pass, and each page found by walking the queue from its head past `after`."""
     sql = ("SELECT id, gpus, cpu_only, held, depends_on, depends_any, pending_reason, "
-           "priority, queued_at FROM jobs WHERE state = 'QUEUED'"
+           "priority, queued_at, time_limit_s FROM jobs WHERE state = 'QUEUED'"
            " AND (held != 0 OR depends_on IS NULL OR depends_on != '[]'"
            " OR pending_reason IS NULL OR (cpu_only != 0 AND ?)"
            " OR (cpu_only = 0 AND gpus <= ?))")

@@ -24,6 +24,7 @@ from .worker import Worker
 MISSING = "MISSING"      # the state shown for a dependency that is no job
 QUEUE_PAGE = 16          # queued jobs read at a time while the nodes are as last seen
 PLAN_JOBS = 200          # queued GPU jobs a pass plans for (the head, expected starts)
+EXPECT_EVERY_S = 1.0     # expected starts are an estimate: made again at most this often
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Scheduler(Worker):
         self.is_connected = is_connected or (lambda node: True)
         self._nodes_seen = None     # the nodes as the last pass saw them (schedule)
         self._slurm = set()         # nodes whose agent submits to Slurm (docs/slurm.md)
+        self._next_expect = 0.0     # when expected starts may be made again (_expect)
         # What the last pass left (waits()): the wakes counted when it began, the most free
         # GPUs on one node, whether a CPU slot was free, and the nodes it saw.
         self._lock = threading.Lock()
@@ -216,7 +218,7 @@ class Scheduler(Worker):
         held = [(job_id, node, gpus, end) for job_id, node, gpus, end
                 in jobs.running_ends(self.db, now)]
         biggest = max((len(g) for g in plan.values()), default=0)
-        for row in jobs.gpu_queue(self.db, PLAN_JOBS):
+        for row in self._gpu_queue():
             want = row["gpus"]
             fits = sorted((len(g), n) for n, g in left.items() if len(g) >= want)
             if fits:           # it starts in this pass: what it takes is not free after
@@ -261,6 +263,15 @@ class Scheduler(Worker):
                     "start": start, "node": node, "gpus": set(gpus), "reason": reason,
                     "pending_reason": self._pending(row["id"])}
         return None
+
+    def _gpu_queue(self):
+        """The queue's first PLAN_JOBS GPU jobs, a page at a time: the head is most often
+        in the first page, and a pass should not read 200 rows to find it."""
+        for offset in range(0, PLAN_JOBS, QUEUE_PAGE):
+            page = jobs.gpu_queue(self.db, QUEUE_PAGE, offset)
+            yield from page
+            if len(page) < QUEUE_PAGE:
+                return
 
     def _pending(self, job_id):
         return jobs.pending_reason(self.db, job_id)
@@ -331,10 +342,13 @@ class Scheduler(Worker):
                 + "; a --time that ends it before then lets it start now")
 
     def _expect(self, all_nodes):
-        """expected_start of the first PLAN_JOBS queued GPU jobs, after this pass."""
+        """expected_start of the first PLAN_JOBS queued GPU jobs, after this pass: an
+        estimate, made again at most every EXPECT_EVERY_S (a drain wakes the scheduler at
+        every job's end)."""
         plan = self._plan_nodes(all_nodes)
-        if not plan:
+        if not plan or time.monotonic() < self._next_expect:
             return
+        self._next_expect = time.monotonic() + EXPECT_EVERY_S
         now = now_ms()
         running = [(node, gpus, end) for _id, node, gpus, end in jobs.running_ends(self.db, now)]
         queue = [{"id": r["id"], "gpus": r["gpus"],

@@ -136,14 +136,14 @@ def retention_keys(db, ids):
     return out
 
 
-def gpu_queue(db, limit):
-    """The first `limit` queued GPU jobs that wait only for slots (not held, no
-    dependency), in placement order: backfill's head and the expected starts
+def gpu_queue(db, limit, offset=0):
+    """Queued GPU jobs that wait only for slots (not held, no dependency), in placement
+    order, `limit` from `offset`: backfill's head and the expected starts
     (gpuplane/backfill.py) read them."""
     return db.query(
         "SELECT id, gpus, priority, queued_at, time_limit_s FROM jobs WHERE state = 'QUEUED'"
         " AND cpu_only = 0 AND held = 0 AND (depends_on IS NULL OR depends_on = '[]')"
-        " ORDER BY priority DESC, queued_at, id LIMIT ?", (int(limit),))
+        " ORDER BY priority DESC, queued_at, id LIMIT ? OFFSET ?", (int(limit), int(offset)))
 
 
 def running_ends(db, now):
