@@ -18,9 +18,10 @@ export async function render(root, _params, query) {
       const [p, e] = g.split("\u0000");
       return h("option", { value: g, text: e ? `${p} / ${e}` : `${p} (no experiment)` });
     }));
-  // Opened without a choice: the experiment of the newest run that names one (runs come
-  // newest first), not the first name in the list, which is often "default".
-  const newest = runs.find((r) => r.experiment) || runs[0];
+  // Opened without a choice: where the newest run was filed on purpose (a project other
+  // than "default", or an experiment; runs come newest first), not the first name in the
+  // list, which is often "default (no experiment)".
+  const newest = runs.find((r) => r.experiment || (r.project && r.project !== "default")) || runs[0];
   if (newest) pick.value = `${newest.project}\u0000${newest.experiment || ""}`;
   if (query.get("project")) {
     const want = `${query.get("project")}\u0000${query.get("experiment") || ""}`;
