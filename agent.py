@@ -1455,7 +1455,8 @@ class ProcessLauncher:
         survivors = self._survivors(att, pgid)
         if not survivors:
             return True
-        if now_ms() - cancel.get("requested_at", 0) >= self.kill_grace_s * 1000:
+        if now_ms() - (cancel.get("stop_at") or cancel.get("requested_at", 0)) >= \
+                self.kill_grace_s * 1000:
             if not att.killed:
                 log.info("job %s attempt %s: %d processes survived SIGTERM; SIGKILL",
                          att.job_id, att.attempt, len(survivors))
@@ -2235,7 +2236,8 @@ class SlurmLauncher:
             else:
                 self.slurm.scancel(slurm_id)
             self.kick()
-        elif not att.killed and now_ms() - cancel.get("requested_at", 0) >= \
+        elif not att.killed and now_ms() - (cancel.get("stop_at") or
+                                            cancel.get("requested_at", 0)) >= \
                 self.kill_grace_s * 1000:
             att.killed = True
             log.info("job %s attempt %s: Slurm job %s still there after SIGTERM; SIGKILL",
@@ -3334,8 +3336,14 @@ class Runner(Worker):
                 self._rereport(key, path)
             return
         if not os.path.exists(att.file("cancel")):
-            write_json_atomic(att.file("cancel"), {"requested_at": now_ms()}, private=True)
-            log.info("cancelling job %s attempt %s", att.job_id, att.attempt)
+            record = {"requested_at": now_ms()}
+            warn = msg.get("warn")      # a preemption: [signal, seconds] before the stop
+            if isinstance(warn, list) and len(warn) == 2 and warn[1]:
+                record.update(warn=warn, stop_at=record["requested_at"] + int(warn[1] * 1000))
+            write_json_atomic(att.file("cancel"), record, private=True)
+            log.info("cancelling job %s attempt %s%s", att.job_id, att.attempt,
+                     f" (SIG{warn[0]} first, the stop {warn[1]} s later)"
+                     if record.get("warn") else "")
         self._look(att)
         if att.final:
             del self.active[key]
@@ -3369,6 +3377,10 @@ class Runner(Worker):
             self._hooks(att, emit)
         limit_due = self._time_limit(att) if att.time_limit_s else None
         cancel = read_json(att.file("cancel"))
+        if cancel is not None and cancel.get("stop_at"):
+            wait_s = self._warn_before_stop(att, cancel)
+            if wait_s:
+                return now + wait_s     # the job saves after its warning; the stop follows
         if cancel is not None and not att.launcher.enforce_cancel(att, cancel):
             return now + RECHECK_S      # inside the grace period with survivors
         exit_info = read_json(att.file("exit"))
@@ -3392,6 +3404,26 @@ class Runner(Worker):
             return now + BACKLOG_WAIT_S   # the server has a backlog to ack first
         self._finish(att, exit_info, cancel)
         return now + IDLE_WAKE_S
+
+    def _warn_before_stop(self, att, cancel):
+        """A stop with a warning (a preemption's, docs/scheduling.md): the signal once, to a
+        job that handles it (or asked for it with --signal), then the stop at `stop_at`.
+        A job that does not handle it is stopped at once: waiting would only cost time.
+        -> seconds to wait before the stop, or 0 (stop now)."""
+        left = (cancel["stop_at"] - now_ms()) / 1000
+        if left <= 0 or att.final:
+            return 0
+        if "term_at" not in cancel:
+            name = cancel["warn"][0]
+            if not (att.time_signal_asked or catches(att, name)):
+                cancel["stop_at"] = now_ms()
+                write_json_atomic(att.file("cancel"), cancel, private=True)
+                return 0
+            log.info("job %s attempt %s: SIG%s, its stop in %.0f s", att.job_id, att.attempt,
+                     name, left)
+            mark_stop_sent(att, cancel)     # an exit from here on obeyed the stop
+            att.launcher.signal(att, name)
+        return max(0.05, min(left, RECHECK_S * 10))
 
     def _time_limit(self, att):
         """The job's time limit (docs/scheduling.md), where its launcher leaves it to the

@@ -97,8 +97,11 @@ class Gateway:
         """Send the start command of a job's current attempt (lifecycle.assign)."""
         return self.send(job["node"], self.start_message(job, ingest_token))
 
-    def cancel(self, node, job_id, attempt):
-        return self.send(node, cancel_message(job_id, attempt))
+    def cancel(self, node, job_id, attempt, warn=None):
+        """Stop an attempt; `warn`: the job (a preemption), whose warning signal goes
+        first and the stop its lead later (docs/scheduling.md)."""
+        return self.send(node, cancel_message(
+            job_id, attempt, self.time_signal(warn) if warn is not None else None))
 
     def delete_checkpoints(self, node, job_id, working_dir, files):
         """Checkpoint retention (gpuplane/retention.py): the owning agent deletes these
@@ -563,8 +566,11 @@ def _slurm_id(v):
     return v
 
 
-def cancel_message(job_id, attempt):
-    return {"type": "cancel", "job_id": job_id, "attempt": attempt}
+def cancel_message(job_id, attempt, warn=None):
+    msg = {"type": "cancel", "job_id": job_id, "attempt": attempt}
+    if warn:
+        msg["warn"] = list(warn)        # [signal name, seconds before the stop]
+    return msg
 
 
 MAX_GPUS = 64            # GPUs a node may report (hello, node_stats)

@@ -389,7 +389,8 @@ class Lifecycle:
                         job=job, severity="warning", data={"by": by}, wake=False)
             node, attempt = job["node"], job["attempt"]
             if self.agents is not None:
-                t.commands.append(lambda: self.agents.cancel(node, job_id, attempt))
+                # its warning signal first, the stop its lead later (a preemption's grace)
+                t.commands.append(lambda: self.agents.cancel(node, job_id, attempt, warn=job))
         return True
 
     def retry(self, job_id, t=None, resume=False):

@@ -18,7 +18,7 @@ class Agents:
     def start(self, job, token):
         self.started.append(job["id"])
 
-    def cancel(self, node, job_id, attempt):
+    def cancel(self, node, job_id, attempt, warn=None):
         pass
 
 

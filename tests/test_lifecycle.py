@@ -14,7 +14,7 @@ class Agents:
     def start(self, job, ingest_token):
         self.started.append((job["id"], job["attempt"], job["node"], ingest_token))
 
-    def cancel(self, node, job_id, attempt):
+    def cancel(self, node, job_id, attempt, warn=None):
         self.cancelled.append((node, job_id, attempt))
 
 

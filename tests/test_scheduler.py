@@ -52,7 +52,7 @@ class Agents:
     def start(self, job, token):
         self.started.append((job["id"], job["node"], job["gpu_indices"]))
 
-    def cancel(self, node, job_id, attempt):
+    def cancel(self, node, job_id, attempt, warn=None):
         self.cancelled.append((node, job_id, attempt))
 
 

@@ -368,3 +368,28 @@ def test_the_default_warning_spares_a_program_that_does_not_handle_it(tmp_path, 
                                     time_signal=["USR1", 2], time_signal_asked=True))
     rec = h.wait_exited(34, timeout=30)
     assert rec["signal"] == 10 and rec["failure_kind"] == "EXIT_CODE", rec   # it asked
+
+
+def test_a_cancel_with_a_warning_signals_first_and_stops_after_its_lead(tmp_path, hosts):
+    """A preemption's stop: the warning to a job that handles it, the stop `lead` seconds
+    later; a job that does not handle it is stopped at once, never by the warning."""
+    h = hosts(tmp_path / "home", kill_grace_s=1.0)
+    write_script(tmp_path / "warned.py", WARNED)
+    h.runner.handle_start(start_msg(35, [PY, "warned.py"], tmp_path))
+    wait_until(lambda: job_records(h.outbox, 35, "RUNNING"), what="RUNNING")
+    wait_until(lambda: any("training" in str(x) for x in log_lines(h.outbox, 35)),
+               what="the job's first line")
+    h.runner.handle_cancel({"type": "cancel", "job_id": 35, "attempt": 1,
+                            "warn": ["USR1", 1]})
+    rec = h.wait_exited(35, timeout=30)
+    assert rec["failure_kind"] == "CANCELLED" and rec["signal"] == 15, rec
+    joined = " ".join(str(x) for x in log_lines(h.outbox, 35))
+    assert "warned: saving a checkpoint" in joined and "finished" not in joined
+    plain = write_script(tmp_path / "plain2.py", "import time\nprint('up', flush=True)\n"
+                         "time.sleep(60)\n")
+    h.runner.handle_start(start_msg(36, [PY, plain], tmp_path))
+    wait_until(lambda: any("up" in str(x) for x in log_lines(h.outbox, 36)), what="up")
+    h.runner.handle_cancel({"type": "cancel", "job_id": 36, "attempt": 1,
+                            "warn": ["USR1", 30]})
+    rec = h.wait_exited(36, timeout=15)         # not 30 s: it does not handle SIGUSR1
+    assert rec["failure_kind"] == "CANCELLED" and rec["signal"] == 15, rec
