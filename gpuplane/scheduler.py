@@ -41,6 +41,8 @@ class Scheduler(Worker):
         self._nodes_seen = None     # the nodes as the last pass saw them (schedule)
         self._slurm = set()         # nodes whose agent submits to Slurm (docs/slurm.md)
         self._next_expect = 0.0     # when expected starts may be made again (_expect)
+        # the last pass's reservation, for /status: {"job_id", "node", "gpus", "start"}
+        self.reservation = None
         # What the last pass left (waits()): the wakes counted when it began, the most free
         # GPUs on one node, whether a CPU slot was free, and the nodes it saw.
         self._lock = threading.Lock()
@@ -186,6 +188,8 @@ class Scheduler(Worker):
                      "cpu" if job["cpu_only"] else f"GPUs {gpu_indices}")
         if head is not None and head["reason"] != head["pending_reason"]:
             reasons[head["id"]] = head["reason"]
+        self.reservation = head and {"job_id": head["id"], "node": head["node"],
+                                     "gpus": sorted(head["gpus"]), "start": head["start"]}
         if reasons:
             jobs.set_pending_reasons(self.db, reasons)
         if head is not None or reasons:

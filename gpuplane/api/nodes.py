@@ -1,5 +1,5 @@
 """Nodes, the queue, the combined status view, and the health check."""
-from flask import Blueprint
+from flask import Blueprint, current_app
 
 from .. import __version__
 from ..auth import requires
@@ -83,14 +83,18 @@ def queue():
     return {"jobs": _brief(jobs.queued(current_db()))}
 
 
-def status_view(db):
-    """Nodes, the queue and running jobs (without env) in one read: REST and the stream."""
+def status_view(db, scheduler=None):
+    """Nodes, the queue and running jobs (without env) in one read, and the GPUs the
+    scheduler holds for the queue's head: REST and the stream."""
     active = jobs.active(db)
+    held = getattr(scheduler, "reservation", None)
     return {"nodes": node_views(db, active), "queue": _brief(jobs.queued(db)),
-            "running": _brief(active)}
+            "running": _brief(active),
+            # the GPUs backfill holds for the queue's head (docs/scheduling.md)
+            "reservations": [held] if held else []}
 
 
 @bp.get("/status")
 @requires("read")
 def status():
-    return status_view(current_db())
+    return status_view(current_db(), current_app.config.get("SCHEDULER"))

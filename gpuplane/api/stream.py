@@ -79,7 +79,8 @@ def stream():
     gone = _gone_check(request.environ.get("gunicorn.socket"))
     # env values go only to write and admin tokens, as on GET /jobs/<id>
     reveal_env = current_token()["scope"] in ("admin", "write")
-    resp = Response(_run(current_db(), current_app.config["HUB"], topics, gone, reveal_env),
+    resp = Response(_run(current_db(), current_app.config["HUB"], topics, gone, reveal_env,
+                         current_app.config.get("SCHEDULER")),
                     mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     resp.call_on_close(lambda: slots.release("sse"))
@@ -96,7 +97,7 @@ def _msg(topic, data):
     return f"data: {json.dumps({'topic': topic, 'data': data}, separators=(',', ':'))}\n\n"
 
 
-def _run(db, hub, topics, gone, reveal_env=False):
+def _run(db, hub, topics, gone, reveal_env=False, scheduler=None):
     yield ": open\n\n"            # headers out now, not at the first change
     state = {}                    # per topic: cursor or last fingerprint
     for name, arg, cur in topics:
@@ -106,7 +107,7 @@ def _run(db, hub, topics, gone, reveal_env=False):
         version = hub.version
         sent = False
         for (name, arg), seen in list(state.items()):
-            out, state[(name, arg)] = _poll(db, name, arg, seen, reveal_env)
+            out, state[(name, arg)] = _poll(db, name, arg, seen, reveal_env, scheduler)
             for data in out:
                 sent = True
                 yield _msg(_label(name, arg), data)
@@ -117,7 +118,7 @@ def _run(db, hub, topics, gone, reveal_env=False):
                 yield ": keepalive\n\n"
 
 
-def _poll(db, name, arg, seen, reveal_env=False):
+def _poll(db, name, arg, seen, reveal_env=False, scheduler=None):
     """(messages to send, new state) for one topic."""
     if name == "logs":
         if seen is None:
@@ -139,7 +140,7 @@ def _poll(db, name, arg, seen, reveal_env=False):
             return [], seen if seen is not None else 0
         return [{"events": found}], found[-1]["id"]
     if name == "status":
-        data = status_view(db)
+        data = status_view(db, scheduler)
     elif name == "job":
         job = jobs.get(db, arg)
         data = job and with_attempts(db, job)

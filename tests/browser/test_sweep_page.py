@@ -142,3 +142,32 @@ def test_first_hour_pages_say_what_they_show(open_page, cluster):
     row = page.wait_for_selector(f"#checkpoint-table tr[data-checkpoint='{named}']")
     assert f"#{named}" in row.inner_text()
     w.assert_clean()
+
+
+def test_the_overview_shows_which_gpus_are_held_for_which_job(open_page, cluster):
+    """Backfill's reservation on the overview: a free GPU held for the queue's head says
+    "held for #ID · HH:MM" (its reserved start); /status lists it."""
+    server, _agent, home = cluster
+    api = server.api
+    wd = home / "held"
+    wd.mkdir(exist_ok=True)
+    busy = api.post("/api/v1/jobs", {"name": "busy", "gpus": 1, "time_limit": "1h",
+                                     "command": [sys.executable, "-c",
+                                                 "import time; time.sleep(120)"],
+                                     "working_dir": str(wd)}, expect=201)
+    wait_for(lambda: api.job(busy["id"])["state"] == "RUNNING", 30, what="busy to run")
+    head = api.post("/api/v1/jobs", {"name": "needs-two", "gpus": 2, "command": ["true"],
+                                     "working_dir": str(wd)}, expect=201)
+    held = wait_for(lambda: (r := api.get("/api/v1/status")["reservations"]) and r[0], 30,
+                    what="the reservation in /status")
+    assert held["job_id"] == head["id"] and held["start"]
+    w = open_page(token=server.token)
+    page = w.page
+    page.goto(server.url + "/#/")
+    cell = page.wait_for_selector(".held")
+    assert f"held for #{head['id']}" in cell.inner_text()
+    assert "reserved for job" in cell.get_attribute("title")
+    shot(page, "overview-reservation")
+    api.post(f"/api/v1/jobs/{head['id']}/cancel")
+    api.post(f"/api/v1/jobs/{busy['id']}/cancel")
+    w.assert_clean()

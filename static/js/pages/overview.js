@@ -1,7 +1,7 @@
 // Overview: nodes and their GPUs (live readings, which job holds each slot), the queue in
 // order with why each job waits, running jobs, recent events.
 
-import { h, replace, fmtAgo, fmtNum, stateBadge } from "../dom.js";
+import { h, replace, fmtAgo, fmtNum, fmtTime, stateBadge } from "../dom.js";
 import { live } from "../live.js";
 import { eventRow } from "./events.js";
 
@@ -38,7 +38,7 @@ export function renderStatus(s, { nodesEl, queueEl, runningEl, summary }) {
   const up = s.nodes.filter((n) => n.state === "connected").length;
   summary.textContent = `${up} of ${s.nodes.length} nodes connected · ${busy} of ${gpus} GPUs in use · ${s.queue.length} queued`;
   const names = new Map(s.running.map((j) => [j.id, j.name]));
-  renderNodes(nodesEl, s.nodes, names);
+  renderNodes(nodesEl, s.nodes, names, (s.reservations || [])[0]);
   // The queue and the running table are rebuilt only when what they show changed (the
   // running table also every 30 s, for its "since" column).
   const queueKey = JSON.stringify(s.queue.map((j) => [j.id, j.name, j.gpus, j.cpu_only, j.priority, j.pending_reason]));
@@ -92,7 +92,7 @@ function bar() {
   return [h("span", { class: "bar", role: "img" }, fill), fill];
 }
 
-function renderNodes(nodesEl, nodes, names) {
+function renderNodes(nodesEl, nodes, names, held) {
   let known = cards.get(nodesEl);
   if (!known) {
     known = new Map();
@@ -114,7 +114,7 @@ function renderNodes(nodesEl, nodes, names) {
       card.shape = shape;
       known.set(n.name, card);
     }
-    updateCard(card, n, names);
+    updateCard(card, n, names, held);
     order.push(card.el);
   }
   const wanted = new Set(nodes.map((n) => n.name));
@@ -156,7 +156,7 @@ function nodeCard(n) {
   return { el, state, host, rows, cpu, cpuKey: null };
 }
 
-function updateCard(card, n, names) {
+function updateCard(card, n, names, held) {
   const connected = n.state === "connected";
   card.el.classList.toggle("down", !connected);
   setText(card.state, n.state);
@@ -172,11 +172,16 @@ function updateCard(card, n, names) {
     setText(r.mem, `${fmtGB(g.mem_used_mb)} / ${fmtGB(g.memory_total_mb)}`);
     setText(r.temp, g.temp_c === null || g.temp_c === undefined ? "–" : `${Math.round(g.temp_c)} °C`);
     setText(r.power, g.power_w === null || g.power_w === undefined ? "–" : `${Math.round(g.power_w)} W`);
-    const jobKey = g.job_id ? `${g.job_id}:${names.get(g.job_id) || ""}` : null;
+    // a free GPU backfill holds for the queue's head says so (docs/scheduling.md)
+    const hold = !g.job_id && held && held.node === n.name && held.gpus.includes(g.index) ? held : null;
+    const jobKey = g.job_id ? `${g.job_id}:${names.get(g.job_id) || ""}` : hold ? `held:${hold.job_id}:${hold.start}` : null;
     if (r.jobId !== jobKey) {
       r.jobId = jobKey;
       replace(r.job, g.job_id ? h("a", { href: `#/jobs/${g.job_id}` }, `#${g.job_id} `, h("span", { text: names.get(g.job_id) || "" }))
-        : h("span", { class: "muted", text: "free" }));
+        : hold ? h("span", { class: "held small", title: hold.start ? `reserved for job ${hold.job_id} from ${fmtTime(hold.start)}` : `held for job ${hold.job_id}, next on this node` },
+          "held for ", h("a", { href: `#/jobs/${hold.job_id}`, text: `#${hold.job_id}` }),
+          hold.start ? ` · ${new Date(hold.start).toTimeString().slice(0, 5)}` : " · next")
+          : h("span", { class: "muted", text: "free" }));
     }
   });
   const cpuKey = (n.cpu_jobs || []).map((id) => `${id}:${names.get(id) || ""}`).join(",");
