@@ -19,6 +19,7 @@ started later than their first reservation (+1 s for the pass).
 
     python bench/backfill.py                          # 150 jobs, 3 arms (~5 minutes)
     python bench/backfill.py --jobs 80 --arms strict,backfill
+    python bench/backfill.py --preempt --jobs 1000 --scale 0.2 --arms backfill
 """
 import argparse
 import math
@@ -40,7 +41,9 @@ from bench.harness import free_port, start_agent, start_server, stop_agent, stop
 NODES, GPUS = 4, 8
 
 
-def trace(n, seed, unlimited_share):
+def trace(n, seed, unlimited_share, preempt=False, scale=1.0):
+    """The jobs, seeded. preempt: 40 % of them preemptible at priority 0, 10 % urgent at
+    priority 10, the rest priority 5 (for the randomized run with preemption)."""
     rng = random.Random(seed)
     jobs, t = [], 0.0
     shapes = [(1, 0.55), (2, 0.20), (4, 0.15), (8, 0.10)]
@@ -54,15 +57,20 @@ def trace(n, seed, unlimited_share):
             if x <= acc:
                 gpus = g
                 break
-        run = min(20.0, rng.lognormvariate(math.log(2.5), 0.8))
+        run = min(20.0, rng.lognormvariate(math.log(2.5), 0.8)) * scale
         limit = None if rng.random() < unlimited_share else math.ceil(run * rng.uniform(1.2, 2.0))
-        jobs.append({"i": i, "at": t, "gpus": gpus, "run": round(run, 2), "limit": limit})
+        job = {"i": i, "at": t * scale, "gpus": gpus, "run": round(run, 2), "limit": limit}
+        if preempt:
+            x = rng.random()
+            job.update(priority=0, preemptible=True) if x < 0.4 else \
+                job.update(priority=10) if x < 0.5 else job.update(priority=5)
+        jobs.append(job)
     return jobs
 
 
 def run_arm(arm, jobs_, args, home):
     server, url, token = start_server(home / f"server-{arm}", free_port(),
-                                      extra=f'scheduling = "{arm}"\n')
+                                      extra=f'scheduling = "{arm}"\npreempt_min_run_s = 0.5\n')
     agents = [start_agent(url, token, f"n{k}", home / f"agent-{arm}-{k}", "--fake-gpus", GPUS,
                           "--cpu-slots", 0) for k in range(NODES)]
     s = requests.Session()
@@ -73,12 +81,16 @@ def run_arm(arm, jobs_, args, home):
                      == NODES, 60, "agents")
         t0 = time.monotonic()
         ids, reserved, pending = {}, {}, list(jobs_)
+        deadline = jobs_[-1]["at"] + 600     # past this, what is left is stuck: reported
         while pending or len(ids) < len(jobs_) or _unfinished(s, url):
             now = time.monotonic() - t0
+            if now > deadline:
+                break
             while pending and pending[0]["at"] <= now:
                 j = pending.pop(0)
                 body = {"name": f"t{j['i']}", "gpus": j["gpus"], "working_dir": str(home),
-                        "command": ["sleep", str(j["run"])], "max_attempts": 1}
+                        "command": ["sleep", str(j["run"])], "max_attempts": 1,
+                        **{k: j[k] for k in ("priority", "preemptible") if k in j}}
                 if j["limit"]:
                     body["time_limit"] = f"{j['limit']}s"
                 r = s.post(url + "/api/v1/jobs", json=body, timeout=30)
@@ -94,11 +106,14 @@ def run_arm(arm, jobs_, args, home):
         for a in agents:
             stop_agent(a)
         stop_server(server)
+    stuck = [d for d in done if d["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED")]
+    done = [d for d in done if d not in stuck]
     first = min(d["created_at"] for d in done)
     last = max(d["ended_at"] for d in done)
     busy = sum(d["gpus"] * (d["ended_at"] - d["started_at"]) for d in done)
     waits = sorted((d["started_at"] - d["created_at"]) / 1000 for d in done)
     late = sum(1 for d in done if d["id"] in reserved and d["started_at"] > reserved[d["id"]] + 1000)
+    preempted = sum(1 for d in done if d.get("preempted_by"))
     states = {}
     for d in done:
         k = d["state"] + (f" {d['failure_kind']}" if d.get("failure_kind") else "")
@@ -108,6 +123,7 @@ def run_arm(arm, jobs_, args, home):
             "big_wait": statistics.mean(big) if big else 0.0, "big_max": max(big, default=0.0),
             "wait": statistics.mean(waits), "p90": waits[int(0.9 * (len(waits) - 1))],
             "span": (last - first) / 1000, "late": late, "reserved": len(reserved),
+            "preempted": preempted, "stuck": len(stuck),
             "states": states}
 
 
@@ -122,8 +138,13 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--unlimited", type=float, default=0.10)
     ap.add_argument("--arms", default="strict,backfill,first-fit")
+    ap.add_argument("--preempt", action="store_true",
+                    help="the randomized run with preemption: priorities 0 (preemptible), 5 "
+                         "and 10; every job must end SUCCEEDED (none lost, no deadlock)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="times and run times x this (0.2 with --jobs 1000: about 2 minutes)")
     args = ap.parse_args()
-    jobs_ = trace(args.jobs, args.seed, args.unlimited)
+    jobs_ = trace(args.jobs, args.seed, args.unlimited, args.preempt, args.scale)
     offered = sum(j["gpus"] * j["run"] for j in jobs_)
     print(f"load before: {os.getloadavg()[0]:.2f}; {len(jobs_)} jobs over "
           f"{jobs_[-1]['at']:.0f} s, {offered:.0f} GPU-seconds offered to {NODES}x{GPUS} GPUs; "
@@ -137,7 +158,9 @@ def main():
             print(f"{arm:10s} utilisation {100 * r['util']:5.1f} %  mean wait {r['wait']:6.2f} s"
                   f"  p90 {r['p90']:6.2f} s  {GPUS}-GPU jobs' wait mean {r['big_wait']:5.2f} s "
                   f"max {r['big_max']:5.2f} s  span {r['span']:6.1f} s  started after their "
-                  f"reservation: {r['late']} of {r['reserved']}  ends {r['states']}  "
+                  f"reservation: {r['late']} of {r['reserved']}  preempted {r['preempted']}  "
+                  f"never ended (deadlock or lost): {r['stuck']}  "
+                  f"ends {r['states']}  "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
